@@ -1,0 +1,118 @@
+"""
+stage0_ddp.py: data parallelism by hand, the baseline every ZeRO stage improves on.
+
+Every rank holds every model state, 16Ψ bytes for Ψ parameters (ZeRO paper, section 3):
+    bf16 parameters 2Ψ + bf16 gradients 2Ψ + fp32 master 4Ψ + Adam momentum 4Ψ + Adam variance 4Ψ
+and sends 2Ψ·(N-1)/N elements per step: a ring all-reduce of the gradients (a reduce-scatter, then an
+all-gather). Run it on N = 1, 2, 4 and watch the per-rank memory stay flat: that redundancy is what ZeRO removes.
+
+How: rank 0's initial weights are broadcast. The parameters live in one flat buffer (each nn.Parameter is a view
+of it), and a post-accumulate-grad hook adds each finished gradient into a second flat buffer, cut into buckets of
+about --bucket_mb. A bucket's all-reduce (an average) starts asynchronously the moment its last gradient arrives,
+while backward goes on with earlier layers; backward ends with one wait per bucket. With --grad_accum, only the last
+micro-step communicates (DDP's no_sync): the others just accumulate. Then every rank runs the same fp32 AdamW on the
+same averaged gradient, and casts the result back into the bf16 parameters.
+
+Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+    torchrun --standalone --nproc_per_node 2 stage0_ddp.py --preset tiny --steps 100
+    torchrun --standalone --nproc_per_node 8 stage0_ddp.py --preset gpt2
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage0_ddp.py --preset gpt2
+    python stage0_ddp.py                     # a world of one, through the same code
+"""
+import torch
+import torch.distributed as dist
+
+from train_gpt import clip_coef, comm, main, make_adamw
+
+
+class Bucket:
+    """A run of parameters whose gradients are reduced by one collective, with flat buffers for both."""
+    def __init__(self, start):
+        self.start = self.end = start  # its place in the flat numbering of all parameters
+        self.params = []
+        self.waiting = 0   # gradients still to arrive in this backward
+        self.work = None   # the collective in flight
+
+
+class DDPEngine:
+    """Stage 0: every rank holds everything; gradient buckets are all-reduced during backward."""
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, MB")
+
+    def __init__(self, model, args, device):
+        self.model, self.args = model, args
+        self.world_size = dist.get_world_size()
+        params = list(model.parameters())[::-1]  # backward meets the last layers first: their bucket fills first
+        bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
+        self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
+        for p in params:
+            if self.buckets[-1].end - self.buckets[-1].start >= bucket_numel:
+                self.buckets.append(Bucket(self.buckets[-1].end))
+            b = self.buckets[-1]
+            self.bucket_of[p], self.offset[p] = b, b.end - b.start
+            b.params.append(p)
+            b.end += p.numel()
+        self.padded_numel = self.buckets[-1].end
+
+        # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
+        for b in self.buckets:
+            b.param = torch.empty(b.end - b.start, dtype=params[0].dtype, device=device)
+            for p in b.params:
+                b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
+                p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
+            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            b.grad = torch.zeros_like(b.param)
+        self.master = torch.cat([b.param for b in self.buckets]).float()  # fp32 master weights
+        self.optimizer = make_adamw([self.master], args)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.sync = True
+
+    def _grad_ready(self, p):
+        """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
+        bucket, start the bucket's all-reduce now, so that it overlaps the rest of backward."""
+        b = self.bucket_of[p]
+        b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
+        p.grad = None  # the bucket holds the only gradient
+        b.waiting -= 1
+        if b.waiting == 0 and self.sync:
+            b.work = comm.all_reduce(b.grad, async_op=True)
+
+    def forward(self, x, y):
+        return self.model(x, y)
+
+    def backward(self, loss, sync):
+        self.sync = sync  # no_sync: micro-steps before the last only accumulate
+        for b in self.buckets:
+            b.waiting = len(b.params)
+        loss.backward()
+        if sync:
+            for b in self.buckets:
+                b.work.wait()
+
+    def step(self, lr):
+        grad = torch.cat([b.grad for b in self.buckets]).float()  # every rank holds the whole averaged gradient
+        norm = torch.linalg.vector_norm(grad)
+        self.master.grad = grad.mul_(clip_coef(norm, self.args.grad_clip))
+        self.optimizer.param_groups[0]["lr"] = lr
+        self.optimizer.step()
+        self.master.grad = None
+        for b in self.buckets:
+            b.param.copy_(self.master[b.start:b.end])  # the updated weights, cast back into the model
+            b.grad.zero_()
+        return norm
+
+    def model_states(self):
+        adam = self.optimizer.state.get(self.master, {})
+        return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
+                "adam_m": [adam["exp_avg"]] if adam else [], "adam_v": [adam["exp_avg_sq"]] if adam else []}
+
+    def master_state_dict(self):
+        start = {p: self.bucket_of[p].start + self.offset[p] for p in self.bucket_of}
+        return {name: self.master[start[p]:start[p] + p.numel()].view_as(p).clone() for name, p in self.model.named_parameters()}
+
+
+if __name__ == "__main__":
+    main(DDPEngine, stage="stage0")

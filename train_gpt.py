@@ -1,0 +1,499 @@
+"""
+train_gpt.py: the one small GPT every stage trains, its data, its training loop, and the ledgers that
+measure each stage against the ZeRO paper's memory model. Run alone, it is the single-device reference:
+
+    python train_gpt.py                                   # the `small` GPT (~10M) on CPU or one GPU
+    python train_gpt.py --preset tiny --steps 50          # seconds on a laptop
+    python train_gpt.py --data input.txt --dtype fp32     # any UTF-8 text; fp32 for exact comparisons
+
+Every stage file (stage0_ddp.py ... offload.py) imports this file's GPT, data and `main` loop, and brings
+only its Engine: the class that holds this rank's model states and moves them. An Engine has
+    forward(x, y) -> loss          backward(loss, sync)           step(lr) -> global grad norm
+    model_states() -> {category: [tensors]}   master_state_dict() -> {name: fp32 tensor} (collective)
+and `padded_numel`, the parameter count its partitioning pads to (Ψ').
+
+The recipe (ZeRO paper, section 3): parameters and gradients in --dtype (2 + 2 bytes each in bf16), an fp32
+master copy and fp32 AdamW moments in the optimizer (K = 12 bytes): 16Ψ bytes for Ψ parameters.
+"""
+import argparse, contextlib, gc, json, math, os, socket, time, warnings
+from collections import defaultdict
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------
+# The model: nanoGPT's decoder (pre-LayerNorm blocks, GELU MLP, LM head tied to the token embedding), without
+# biases (nanoGPT's bias=False: a little faster). A key bias, moreover, has an exactly zero true gradient (softmax
+# ignores a constant added to a row), so Adam would turn its rounding noise into real steps that differ by stage.
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256
+    vocab_size: int = 0    # at least the corpus's; GPT-2 presets pad it to 50257 so Ψ matches GPT-2's
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+
+PRESETS = {  # name: (n_layer, n_head, n_embd, block_size, vocab_size)
+    "tiny": (2, 2, 64, 64, 0),
+    "small": (6, 6, 384, 256, 0),
+    "gpt2": (12, 12, 768, 1024, 50257),         # 124M
+    "gpt2-medium": (24, 16, 1024, 1024, 50257),  # 350M
+    "gpt2-large": (36, 20, 1280, 1024, 50257),   # 774M
+    "gpt2-xl": (48, 25, 1600, 1024, 50257),      # 1.5B
+}
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd, bias=False), CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one tensor, counted once in Ψ
+        for name, p in self.named_parameters():  # GPT-2 init; residual projections scaled by depth
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+    @torch.no_grad()
+    def generate(self, idx, n_new, temperature=0.8, generator=None):
+        for _ in range(n_new):
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float() / temperature
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: real text, offline. The default corpus ships with every CPython (the text of its pydoc topics).
+
+def load_text(path):
+    if path is None:
+        from pydoc_data.topics import topics
+        return "\n\n".join(topics[k] for k in sorted(topics))
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --data {path}: no such file; pass a UTF-8 text file, or omit --data for the built-in corpus")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+class CharData:
+    """Character-level tokens, 90/10 train/val split. The global batch of step s depends only on (seed, s)."""
+    def __init__(self, text, block_size):
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.int32)
+        n = int(0.9 * len(ids))
+        self.train, self.val, self.block_size = ids[:n], ids[n:], block_size
+        if len(self.val) <= block_size + 1:
+            raise SystemExit(f"error: the text has {len(text)} characters, too few for --block_size {block_size}; use a larger file or a smaller --block_size")
+        counts = torch.bincount(self.train.long(), minlength=len(self.chars)).double()
+        p = counts[counts > 0] / counts.sum()
+        self.unigram_loss = float(-(p * p.log()).sum())  # the loss of predicting character frequencies alone
+
+    def batch(self, split, batch_seed, global_batch, part, n_parts, device):
+        """Part `part` of `n_parts` equal slices of a global batch drawn from `batch_seed` alone."""
+        data = self.train if split == "train" else self.val
+        g = torch.Generator().manual_seed(batch_seed)
+        ix = torch.randint(len(data) - self.block_size - 1, (global_batch,), generator=g)
+        per = global_batch // n_parts
+        ix = ix[part * per:(part + 1) * per]
+        x = torch.stack([data[i:i + self.block_size] for i in ix]).long()
+        y = torch.stack([data[i + 1:i + 1 + self.block_size] for i in ix]).long()
+        return x.to(device), y.to(device)
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids if i < len(self.chars))
+
+# ----------------------------------------------------------------------------------------------------------
+# The paper's memory and communication model: the formulas every stage measures itself against.
+
+SHARDED = {"reference": (), "stage0": (), "stage1": ("master", "adam_m", "adam_v"),
+           "stage2": ("grads", "master", "adam_m", "adam_v"),
+           "stage3": ("params", "grads", "master", "adam_m", "adam_v")}
+SHARDED["offload"] = SHARDED["stage3"]
+
+def model_state_theory(stage, n_params, world_size, param_bytes=2):
+    """Bytes per rank by category for Ψ = n_params on N = world_size ranks: 2Ψ + 2Ψ + KΨ, K = 12, the
+    sharded categories divided by N (n_params is the padded count, a multiple of N, for sharded stages)."""
+    full = {"params": param_bytes * n_params, "grads": param_bytes * n_params,
+            "master": 4 * n_params, "adam_m": 4 * n_params, "adam_v": 4 * n_params}
+    return {k: v // world_size if k in SHARDED[stage] else v for k, v in full.items()}
+
+def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
+    """Bytes this rank sends per optimizer step, by collective, with ring algorithms: an all-reduce sends
+    2(N-1)/N of the tensor, a reduce-scatter or an all-gather (N-1)/N. Gradient accumulation: stages 0
+    and 1 reduce once per step (no_sync); stage 2 reduces every micro-step into its shard; stage 3 also
+    gathers parameters twice per micro-step (forward and backward)."""
+    ring, psi = (world_size - 1) / world_size, n_params * param_bytes
+    norm = 2 * 4 * ring  # one fp32 scalar all-reduced: the global gradient norm from the shards
+    return {"reference": {}, "stage0": {"all_reduce": 2 * psi * ring},
+            "stage1": {"reduce_scatter": psi * ring, "all_gather": psi * ring, "all_reduce": norm},
+            "stage2": {"reduce_scatter": grad_accum * psi * ring, "all_gather": psi * ring, "all_reduce": norm},
+            "stage3": {"all_gather": 2 * grad_accum * psi * ring, "reduce_scatter": grad_accum * psi * ring, "all_reduce": norm},
+            }[stage]
+
+# ----------------------------------------------------------------------------------------------------------
+# Instrumentation, shared so the stage files read as the algorithm.
+
+class CommLedger:
+    """The collectives the stages call, each counting the bytes this rank sends (ring algorithm)."""
+    def __init__(self):
+        self.sent = defaultdict(float)
+
+    def _ring(self):
+        n = dist.get_world_size()
+        return (n - 1) / n
+
+    def all_reduce(self, t, op=dist.ReduceOp.AVG, async_op=False):
+        self.sent["all_reduce"] += 2 * t.numel() * t.element_size() * self._ring()
+        return dist.all_reduce(t, op=op, async_op=async_op)
+
+    def reduce_scatter(self, out, inp, op=dist.ReduceOp.AVG, async_op=False):
+        self.sent["reduce_scatter"] += inp.numel() * inp.element_size() * self._ring()
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        return fn(out, inp, op=op, async_op=async_op)
+
+    def all_gather(self, out, inp, async_op=False):
+        self.sent["all_gather"] += out.numel() * out.element_size() * self._ring()
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return fn(out, inp, async_op=async_op)
+
+comm = CommLedger()
+
+def storage_bytes(tensors):
+    """Bytes of the distinct storages behind `tensors`: views of one buffer count once."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr(), s.device] = s.nbytes()
+    return sum(seen.values())
+
+def live_tensor_bytes(device):
+    """Every tensor storage Python can reach on `device`, each counted once."""
+    with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return storage_bytes(t for t in tensors if t.device.type == device.type)
+
+class PeakMemory:
+    """Peak bytes of live tensors during a `with` block: the CUDA allocator's counter on GPU; on CPU, the
+    live bytes at entry plus the highest running sum of the allocations and frees the profiler records
+    (RSS would mislead: glibc keeps freed buffers)."""
+    def __init__(self, device):
+        self.device, self.peak = device, 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.base = live_tensor_bytes(self.device)
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+            return
+        self.prof.__exit__(*exc)
+        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+        running = highest = 0
+        for _, nbytes in events:
+            running += nbytes
+            highest = max(highest, running)
+        self.peak = self.base + highest
+
+# ----------------------------------------------------------------------------------------------------------
+# The reference engine: the recipe on one device, no distribution. Every stage must match it.
+
+def make_adamw(params, args):
+    """torch's AdamW: decoupled weight decay, bias correction from the step count it keeps per tensor (one
+    flat tensor per rank in the stages, so one count per step). We decay every parameter, as torch's default
+    does; nanoGPT spares biases and norms, which would split each flat shard into two groups."""
+    return torch.optim.AdamW(params, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8,
+                             weight_decay=args.weight_decay, fused=True)
+
+def clip_coef(norm, max_norm):
+    """The factor torch.nn.utils.clip_grad_norm_ scales gradients by."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+class SingleDeviceEngine:
+    def __init__(self, model, args, device):
+        self.model, self.args = model, args
+        self.params = list(model.parameters())
+        self.padded_numel = sum(p.numel() for p in self.params)
+        self.master = [p.detach().float().clone() for p in self.params]  # fp32 master weights
+        self.optimizer = make_adamw(self.master, args)
+
+    def forward(self, x, y):
+        return self.model(x, y)
+
+    def backward(self, loss, sync):
+        loss.backward()  # gradients accumulate in p.grad across micro-steps
+
+    def step(self, lr):
+        grads = [p.grad.float() for p in self.params]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for m, g in zip(self.master, grads):
+            m.grad = g.mul_(clip_coef(norm, self.args.grad_clip))
+        self.optimizer.param_groups[0]["lr"] = lr
+        self.optimizer.step()
+        for p, m in zip(self.params, self.master):
+            p.data.copy_(m)
+            p.grad = m.grad = None
+        return norm
+
+    def model_states(self):
+        st = [self.optimizer.state[m] for m in self.master if m in self.optimizer.state]
+        return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None],
+                "master": self.master, "adam_m": [s["exp_avg"] for s in st], "adam_v": [s["exp_avg_sq"] for s in st]}
+
+    def master_state_dict(self):
+        names = [n for n, _ in self.model.named_parameters()]
+        return {n: m.detach().clone() for n, m in zip(names, self.master)}
+
+# ----------------------------------------------------------------------------------------------------------
+# Set-up, with every bad input refused before any work starts.
+
+def parse_args(Engine):
+    p = argparse.ArgumentParser(description=(Engine.__doc__ or "").strip().split("\n")[0])
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    for f in fields(GPTConfig):
+        p.add_argument(f"--{f.name}", type=int, default=None, help="override the preset")
+    p.add_argument("--data", default=None, help="a UTF-8 text file (default: CPython's pydoc topics)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch_size", type=int, default=16, help="GLOBAL batch in sequences, over all ranks and micro-steps")
+    p.add_argument("--grad_accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min_lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--beta1", type=float, default=0.9)
+    p.add_argument("--beta2", type=float, default=0.99)
+    p.add_argument("--grad_clip", type=float, default=1.0)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--eval_every", type=int, default=100)
+    p.add_argument("--eval_batches", type=int, default=8)
+    p.add_argument("--sample_chars", type=int, default=300)
+    p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
+    p.add_argument("--save_master", default=None, help="write the final fp32 parameters here (torch.save, rank 0)")
+    p.add_argument("--no_progress", action="store_true")
+    if hasattr(Engine, "add_args"):
+        Engine.add_args(p)
+    return p.parse_args()
+
+def pick_device(choice, local_rank):
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but torch sees no CUDA GPU; use --device cpu (or auto)")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise SystemExit(f"error: local rank {local_rank} but this node has {torch.cuda.device_count()} GPUs; "
+                         f"use --nproc_per_node {torch.cuda.device_count()} or fewer")
+    return torch.device("cuda", local_rank)
+
+def init_distributed(args):
+    if "RANK" not in os.environ:  # plain `python stageN.py`: a world of one, through the same code path
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = pick_device(args.device, int(os.environ["LOCAL_RANK"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+def check_args(args, world_size):
+    if args.batch_size % (world_size * args.grad_accum):
+        raise SystemExit(f"error: --batch_size {args.batch_size} is not divisible by world_size {world_size} x "
+                         f"--grad_accum {args.grad_accum}; use a multiple of {world_size * args.grad_accum}")
+    if min(args.steps, args.batch_size, args.grad_accum) < 1:
+        raise SystemExit("error: --steps, --batch_size and --grad_accum must be at least 1")
+
+def lr_at(step, args):
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(1, args.steps - 1 - args.warmup)
+    return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(t, 1.0))) * (args.lr - args.min_lr)
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop every stage shares.
+
+def main(Engine, stage, distributed=True):
+    args = parse_args(Engine)
+    n_layer, n_head, n_embd, block_size, vocab_size = PRESETS[args.preset]
+    cfg = GPTConfig(block_size, vocab_size, n_layer, n_head, n_embd)
+    for f in fields(GPTConfig):
+        if getattr(args, f.name) is not None:
+            setattr(cfg, f.name, getattr(args, f.name))
+    if cfg.n_embd % cfg.n_head:
+        raise SystemExit(f"error: --n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}")
+    if distributed:
+        rank, world_size, device = init_distributed(args)
+    else:
+        rank, world_size, device = 0, 1, pick_device(args.device, 0)
+    check_args(args, world_size)
+    data = CharData(load_text(args.data), cfg.block_size)
+    cfg.vocab_size = max(cfg.vocab_size, len(data.chars))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    param_bytes = torch.finfo(dtype).bits // 8
+
+    torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
+    model = GPT(cfg).to(device=device, dtype=dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine = Engine(model, args, device)
+    theory = model_state_theory(stage, engine.padded_numel, world_size, param_bytes)
+    comm_th = comm_theory(stage, engine.padded_numel, world_size, param_bytes, args.grad_accum)
+    if rank == 0:
+        print(f"{stage}: {n_params:,} parameters (Ψ), padded to {engine.padded_numel:,}; {world_size} rank(s) on {device.type}, "
+              f"{args.dtype}; model states per rank in theory {sum(theory.values()) / 2**20:.2f} MiB; "
+              f"unigram loss {data.unigram_loss:.3f}", flush=True)
+
+    micro = args.batch_size // (world_size * args.grad_accum)
+    measure_step = min(1, args.steps - 1)  # step 0 creates Adam's moments; step 1 is the steady state
+    losses, grad_norms, val_losses, step_times = [], [], [], []
+    comm_sent, peak = {}, 0
+    bar = range(args.steps)
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(bar, dynamic_ncols=True)
+
+    def evaluate():
+        total = torch.zeros((), device=device)
+        with torch.no_grad():
+            for k in range(args.eval_batches):
+                x, y = data.batch("val", 10**9 + k, args.batch_size // args.grad_accum, rank, world_size, device)
+                total += engine.forward(x, y).float()
+        if distributed:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)  # outside the step: not in the comm ledger
+        return total.item() / args.eval_batches
+
+    def train_step(step):
+        """One optimizer step over the global batch; rank r takes slice (k*N + r) at micro-step k."""
+        loss_sum = torch.zeros((), device=device)
+        for k in range(args.grad_accum):
+            x, y = data.batch("train", args.seed * 1_000_003 + step, args.batch_size, k * world_size + rank,
+                              world_size * args.grad_accum, device)
+            loss = engine.forward(x, y)
+            engine.backward(loss / args.grad_accum, sync=(k == args.grad_accum - 1))
+            loss_sum += loss.detach().float() / args.grad_accum
+        if step == measure_step:  # what this rank holds when the optimizer runs: the paper's model states
+            ledger.update({k: storage_bytes(v) for k, v in engine.model_states().items()}, live=live_tensor_bytes(device))
+        grad_norm = engine.step(lr_at(step, args))
+        sent = dict(comm.sent)
+        if distributed:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
+        return loss_sum.item(), float(grad_norm), sent
+
+    ledger = {}
+    for step in bar:
+        t0 = time.perf_counter()
+        comm.sent.clear()
+        with PeakMemory(device) if step == measure_step else contextlib.nullcontext() as meter:
+            loss, grad_norm, sent = train_step(step)
+        if meter:
+            peak, comm_sent = meter.peak, sent
+        else:
+            step_times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
+            val_losses.append((step + 1, evaluate()))
+        if rank == 0 and hasattr(bar, "set_postfix"):
+            tok_s = args.batch_size * cfg.block_size / step_times[-1] if step_times else 0
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB")
+
+    live = ledger.pop("live", None)
+    states = ledger
+    per_rank = [None] * world_size
+    if distributed:
+        dist.all_gather_object(per_rank, states)
+    else:
+        per_rank = [states]
+    master = engine.master_state_dict()  # a collective: every rank takes part
+    timed = sorted(step_times[1:] or step_times)  # the first step warms up
+    tokens_per_s = args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0
+    if rank == 0:
+        if hasattr(bar, "close"):
+            bar.close()
+        summary = dict(stage=stage, world_size=world_size, n_params=n_params, padded_numel=engine.padded_numel,
+                       dtype=args.dtype, device=device.type, config=vars(cfg), args=vars(args),
+                       losses=losses, grad_norms=grad_norms, val_losses=val_losses, val_loss=val_losses[-1][1],
+                       unigram_loss=data.unigram_loss, tokens_per_s=tokens_per_s, peak_memory_bytes=peak,
+                       live_tensor_bytes=live,
+                       model_state_bytes={k: {"measured": states.get(k, 0), "theory": theory[k]} for k in theory},
+                       model_state_bytes_per_rank=per_rank,
+                       comm_bytes_per_step={"measured": sum(comm_sent.values()), "theory": sum(comm_th.values()),
+                                            "by_collective": {k: {"measured": comm_sent.get(k, 0.0), "theory": comm_th.get(k, 0.0)}
+                                                              for k in sorted(set(comm_sent) | set(comm_th))}})
+        print(f"{stage}: val loss {summary['val_loss']:.4f} (unigram {data.unigram_loss:.3f}), {tokens_per_s:,.0f} tokens/s, "
+              f"peak {peak / 2**20:.1f} MiB, model states {sum(states.values()) / 2**20:.2f} MiB "
+              f"(theory {sum(theory.values()) / 2**20:.2f}), sent {sum(comm_sent.values()) / 2**20:.2f} MiB/step "
+              f"(theory {sum(comm_th.values()) / 2**20:.2f})")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
+        if args.save_master:
+            torch.save(master, args.save_master)
+        if args.sample_chars:
+            sampler = GPT(cfg).to(device)
+            sampler.load_state_dict({**master, "lm_head.weight": master["wte.weight"]})  # the tied head
+            g = torch.Generator(device=device).manual_seed(args.seed)
+            out = sampler.generate(torch.zeros((1, 1), dtype=torch.long, device=device) + data.stoi.get("\n", 0),
+                                   args.sample_chars, generator=g)
+            print("--- sample ---\n" + data.decode(out[0].tolist()) + "\n--------------")
+    if distributed:
+        del engine, model
+        dist.barrier()  # without it gloo ranks often abort at exit
+        dist.destroy_process_group()
+
+if __name__ == "__main__":
+    main(SingleDeviceEngine, stage="reference", distributed=False)
