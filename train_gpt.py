@@ -15,7 +15,7 @@ and `padded_numel`, the parameter count its partitioning pads to (Ψ').
 The recipe (ZeRO paper, section 3): parameters and gradients in --dtype (2 + 2 bytes each in bf16), an fp32
 master copy and fp32 AdamW moments in the optimizer (K = 12 bytes): 16Ψ bytes for Ψ parameters.
 """
-import argparse, contextlib, gc, json, math, os, socket, time, warnings
+import argparse, contextlib, gc, json, math, os, socket, sys, time, warnings
 from collections import defaultdict
 from dataclasses import dataclass, fields
 
@@ -491,9 +491,10 @@ def main(Engine, stage, distributed=True):
                                    args.sample_chars, generator=g)
             print("--- sample ---\n" + data.decode(out[0].tolist()) + "\n--------------")
     if distributed:
-        del engine, model
-        dist.barrier()  # without it gloo ranks often abort at exit
+        dist.barrier()
         dist.destroy_process_group()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)  # gloo ranks of torch 2.13 sometimes abort (SIGABRT) in their exit-time destructors
 
 if __name__ == "__main__":
     main(SingleDeviceEngine, stage="reference", distributed=False)

@@ -1,0 +1,143 @@
+"""
+stage1.py: ZeRO-1, stage 0 plus one idea: each rank keeps the optimizer states of its 1/N shard only.
+
+The fp32 master weights and both Adam moments (K = 12 bytes per parameter) are partitioned (ZeRO paper, P_os):
+    bf16 parameters 2Ψ + bf16 gradients 2Ψ + (fp32 master + Adam m + Adam v) 12Ψ/N  =  4Ψ + 12Ψ/N bytes per rank
+and each step still sends 2Ψ·(N-1)/N elements: a reduce-scatter of the gradients (each rank needs only its shard of
+the sum) and an all-gather of the updated parameters. These are the two halves of stage 0's ring all-reduce, with
+the optimizer step moved in between. (torch's ZeroRedundancyOptimizer on DDP sends 3Ψ: a whole all-reduce, then
+broadcasts.)
+
+How: as stage 0, but every bucket is padded to a multiple of N and cut into N equal shards: rank r owns shard r of
+every bucket, so a large embedding cannot unbalance the ranks and any parameter count works at any N. A bucket's
+reduce-scatter starts as soon as its last gradient arrives; rank r then updates its own shard with fp32 AdamW, and an
+all-gather of every bucket brings the updated bf16 parameters to all ranks.
+
+Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+    torchrun --standalone --nproc_per_node 2 stage1.py --preset tiny --steps 100
+    torchrun --standalone --nproc_per_node 8 stage1.py --preset gpt2
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage1.py --preset gpt2
+    python stage1.py                         # a world of one, through the same code
+"""
+import torch
+import torch.distributed as dist
+
+from train_gpt import clip_coef, comm, main, make_adamw
+
+
+class Bucket:
+    """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to a
+    multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
+    def __init__(self, start):
+        self.start = self.end = start  # its place in the flat numbering of all parameters
+        self.params = []
+        self.waiting = 0   # gradients still to arrive in this backward
+        self.work = None   # the collective in flight
+
+
+class ZeRO1Engine:
+    """Stage 1: optimizer states sharded; gradient buckets are reduce-scattered during backward."""
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, MB")
+
+    def __init__(self, model, args, device):
+        self.model, self.args = model, args
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        params = list(model.parameters())[::-1]  # backward meets the last layers first: their bucket fills first
+        bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
+        self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
+        for p in params:
+            if self.buckets[-1].end - self.buckets[-1].start >= bucket_numel:
+                self.buckets.append(Bucket(self._pad(self.buckets[-1])))
+            b = self.buckets[-1]
+            self.bucket_of[p], self.offset[p] = b, b.end - b.start
+            b.params.append(p)
+            b.end += p.numel()
+        self.padded_numel = self._pad(self.buckets[-1])
+
+        # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
+        for b in self.buckets:
+            b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
+            for p in b.params:
+                b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
+                p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
+            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            b.grad = torch.zeros_like(b.param)
+        self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
+        self.optimizer = make_adamw([self.master], args)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.sync = True
+
+    def _pad(self, b):
+        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
+        b.end = -(-b.end // self.world_size) * self.world_size
+        return b.end
+
+    def _own(self, flat):
+        """This rank's shard of a bucket-sized buffer."""
+        s = flat.numel() // self.world_size
+        return flat[self.rank * s:(self.rank + 1) * s]
+
+    def _shard(self, b):
+        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
+        return slice(b.start // self.world_size, b.end // self.world_size)
+
+    def _grad_ready(self, p):
+        """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
+        bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
+        b = self.bucket_of[p]
+        b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
+        p.grad = None  # the bucket holds the only gradient
+        b.waiting -= 1
+        if b.waiting == 0 and self.sync:
+            b.work = comm.reduce_scatter(self.grad_shard[self._shard(b)], b.grad, async_op=True)
+
+    def forward(self, x, y):
+        return self.model(x, y)
+
+    def backward(self, loss, sync):
+        self.sync = sync  # no_sync: micro-steps before the last only accumulate
+        if sync:  # the reduced shard of the gradient: a communication buffer, dropped after the step
+            self.grad_shard = torch.empty_like(self.master, dtype=self.buckets[0].grad.dtype)
+        for b in self.buckets:
+            b.waiting = len(b.params)
+        loss.backward()
+        if sync:
+            for b in self.buckets:
+                b.work.wait()
+
+    def step(self, lr):
+        grad = self.grad_shard.float()  # this rank's shard of the averaged gradient
+        norm = torch.linalg.vector_norm(grad).square()
+        comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
+        norm = norm.sqrt()
+        self.master.grad = grad.mul_(clip_coef(norm, self.args.grad_clip))
+        self.optimizer.param_groups[0]["lr"] = lr
+        self.optimizer.step()
+        self.master.grad = None
+        works = [comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype), async_op=True)
+                 for b in self.buckets]  # every rank's updated shard, cast, into every rank's model
+        for b, work in zip(self.buckets, works):
+            work.wait()
+            b.grad.zero_()
+        self.grad_shard = None
+        return norm
+
+    def model_states(self):
+        adam = self.optimizer.state.get(self.master, {})
+        return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
+                "adam_m": [adam["exp_avg"]] if adam else [], "adam_v": [adam["exp_avg_sq"]] if adam else []}
+
+    def master_state_dict(self):
+        full = {b: torch.empty(b.end - b.start, device=self.master.device) for b in self.buckets}
+        for b in self.buckets:  # a collective, outside the training steps
+            comm.all_gather(full[b], self.master[self._shard(b)])
+        return {name: full[self.bucket_of[p]][self.offset[p]:self.offset[p] + p.numel()].view_as(p).clone()
+                for name, p in self.model.named_parameters()}
+
+
+if __name__ == "__main__":
+    main(ZeRO1Engine, stage="stage1")

@@ -1,0 +1,150 @@
+"""
+stage2.py: ZeRO-2, stage 1 plus one idea: each rank keeps the gradients of its 1/N shard only.
+
+Gradients are partitioned too (ZeRO paper, P_os+g):
+    bf16 parameters 2Ψ + (bf16 gradients 2 + fp32 master, Adam m, Adam v 12)Ψ/N  =  2Ψ + 14Ψ/N bytes per rank,
+plus the gradient buckets in flight (at most two, of --bucket_mb each). Per step it sends Ψ·(N-1)/N elements of
+reduce-scatter per micro-step and one all-gather of Ψ·(N-1)/N: 2Ψ without gradient accumulation, as stage 1.
+
+How: as stage 1, but no full gradient survives backward. A bucket's flat gradient buffer is created when its first
+gradient arrives and released as soon as its reduce-scatter is done (when the next bucket starts its own: at most two
+in flight), after its reduced shard has been added into this rank's gradient shard, the only gradient kept. So
+gradient accumulation accumulates into the shard, and every micro-step communicates: --grad_accum A costs A
+reduce-scatters per step, where stage 1 (holding the full gradient) reduces once. That is the price of 2Ψ/N.
+
+Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+    torchrun --standalone --nproc_per_node 2 stage2.py --preset tiny --steps 100
+    torchrun --standalone --nproc_per_node 8 stage2.py --preset gpt2
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage2.py --preset gpt2
+    python stage2.py                         # a world of one, through the same code
+"""
+import torch
+import torch.distributed as dist
+
+from train_gpt import clip_coef, comm, main, make_adamw
+
+
+class Bucket:
+    """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to a
+    multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
+    def __init__(self, start):
+        self.start = self.end = start  # its place in the flat numbering of all parameters
+        self.params = []
+        self.waiting = 0   # gradients still to arrive in this backward
+        self.work = None   # the collective in flight
+        self.grad = None   # the bucket's full gradient: exists only until reduced
+
+
+class ZeRO2Engine:
+    """Stage 2: optimizer states and gradients sharded; a bucket's gradient is freed once reduce-scattered."""
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, MB")
+
+    def __init__(self, model, args, device):
+        self.model, self.args = model, args
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        params = list(model.parameters())[::-1]  # backward meets the last layers first: their bucket fills first
+        bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
+        self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
+        for p in params:
+            if self.buckets[-1].end - self.buckets[-1].start >= bucket_numel:
+                self.buckets.append(Bucket(self._pad(self.buckets[-1])))
+            b = self.buckets[-1]
+            self.bucket_of[p], self.offset[p] = b, b.end - b.start
+            b.params.append(p)
+            b.end += p.numel()
+        self.padded_numel = self._pad(self.buckets[-1])
+
+        # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
+        for b in self.buckets:
+            b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
+            for p in b.params:
+                b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
+                p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
+            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
+        self.optimizer = make_adamw([self.master], args)
+        self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
+        self.in_flight = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _pad(self, b):
+        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
+        b.end = -(-b.end // self.world_size) * self.world_size
+        return b.end
+
+    def _own(self, flat):
+        """This rank's shard of a bucket-sized buffer."""
+        s = flat.numel() // self.world_size
+        return flat[self.rank * s:(self.rank + 1) * s]
+
+    def _shard(self, b):
+        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
+        return slice(b.start // self.world_size, b.end // self.world_size)
+
+    def _grad_ready(self, p):
+        """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
+        bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
+        b = self.bucket_of[p]
+        if b.grad is None:
+            b.grad = torch.zeros_like(b.param)
+        b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
+        p.grad = None  # the bucket holds the only gradient
+        b.waiting -= 1
+        if b.waiting == 0:
+            b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])
+            b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
+            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
+                self._release(self.in_flight.pop())
+            self.in_flight.append(b)
+
+    def _release(self, b):
+        """Accumulate a reduced bucket into this rank's gradient shard, and free the bucket's full gradient."""
+        b.work.wait()
+        self.grad_shard[self._shard(b)] += b.reduced
+        b.grad = b.reduced = b.work = None
+
+    def forward(self, x, y):
+        return self.model(x, y)
+
+    def backward(self, loss, sync):
+        for b in self.buckets:  # every micro-step reduces: only the shard accumulates
+            b.waiting = len(b.params)
+        loss.backward()
+        while self.in_flight:
+            self._release(self.in_flight.pop())
+
+    def step(self, lr):
+        grad = self.grad_shard.float()  # this rank's shard of the averaged gradient
+        norm = torch.linalg.vector_norm(grad).square()
+        comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
+        norm = norm.sqrt()
+        self.master.grad = grad.mul_(clip_coef(norm, self.args.grad_clip))
+        self.optimizer.param_groups[0]["lr"] = lr
+        self.optimizer.step()
+        self.master.grad = None
+        works = [comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype), async_op=True)
+                 for b in self.buckets]  # every rank's updated shard, cast, into every rank's model
+        for work in works:
+            work.wait()
+        self.grad_shard.zero_()
+        return norm
+
+    def model_states(self):
+        adam = self.optimizer.state.get(self.master, {})
+        return {"params": [b.param for b in self.buckets], "grads": [self.grad_shard], "master": [self.master],
+                "adam_m": [adam["exp_avg"]] if adam else [], "adam_v": [adam["exp_avg_sq"]] if adam else []}
+
+    def master_state_dict(self):
+        full = {b: torch.empty(b.end - b.start, device=self.master.device) for b in self.buckets}
+        for b in self.buckets:  # a collective, outside the training steps
+            comm.all_gather(full[b], self.master[self._shard(b)])
+        return {name: full[self.bucket_of[p]][self.offset[p]:self.offset[p] + p.numel()].view_as(p).clone()
+                for name, p in self.model.named_parameters()}
+
+
+if __name__ == "__main__":
+    main(ZeRO2Engine, stage="stage2")

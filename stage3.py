@@ -1,0 +1,193 @@
+"""
+stage3.py: ZeRO-3, stage 2 plus one idea: each rank keeps the parameters of its 1/N shard only.
+
+Everything is partitioned (ZeRO paper, P_os+g+p):
+    (bf16 parameters 2 + bf16 gradients 2 + fp32 master, Adam m, Adam v 12)Ψ/N  =  16Ψ/N bytes per rank,
+plus the working set: the root's parameters, the block in use and the block being prefetched. Per micro-step it
+sends 3Ψ·(N-1)/N elements: an all-gather of the parameters for forward, another for backward, and a reduce-scatter
+of the gradients; 1.5 times stages 1 and 2, the price of 16Ψ/N.
+
+How: as stage 2, but a bucket is now a module's parameters, the unit of gathering: each block of an nn.ModuleList,
+and the root module for the rest (embeddings, final norm, head). A unit must own every parameter its forward uses:
+the head's weight is the token embedding's, used by the root's forward, so it belongs to the root, not to the
+Embedding. Finer units (each Linear) would mean many small collectives; the whole model as one unit would gather
+the whole model, which is what ZeRO-3 exists to avoid. Hooks on each unit gather its full parameters just before
+its forward (and, through a hook on its output, just before its backward), and free them right after: the storage
+is resized to zero, so the memory is really gone though autograd still holds views of it. While a unit computes,
+the next unit's all-gather runs asynchronously (--no_prefetch turns this off, to measure what it buys). When a
+unit's last gradient arrives, its gradients are reduce-scattered as in stage 2, and its full parameters freed.
+
+Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+    torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100
+    torchrun --standalone --nproc_per_node 8 stage3.py --preset gpt2
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage3.py --preset gpt2
+    python stage2.py                         # a world of one, through the same code
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from train_gpt import clip_coef, comm, main, make_adamw
+
+
+class Bucket:
+    """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
+    a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
+    def __init__(self, start, module):
+        self.start = self.end = start  # its place in the flat numbering of all parameters
+        self.module = module
+        self.params = []
+        self.waiting = 0   # gradients still to arrive in this backward
+        self.work = None   # the collective in flight
+        self.grad = None   # the bucket's full gradient: exists only until reduced
+        self.gather = None  # the all-gather of its parameters in flight
+
+
+class ZeRO3Engine:
+    """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
+
+    def __init__(self, model, args, device):
+        self.model, self.args = model, args
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        params = list(model.parameters())
+        units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]
+        self.buckets, self.bucket_of, self.offset, end = [], {}, {}, 0
+        for m in units:  # the root comes last and takes the parameters no block owns
+            self.buckets.append(Bucket(end, m))
+            for p in m.parameters():
+                if p not in self.bucket_of:
+                    b = self.buckets[-1]
+                    self.bucket_of[p], self.offset[p] = b, b.end - b.start
+                    b.params.append(p)
+                    b.end += p.numel()
+            end = self._pad(self.buckets[-1])
+        self.padded_numel = end
+
+        # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
+        # It is full only while in use: the rank keeps its shard of it.
+        for b in self.buckets:
+            b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
+            for p in b.params:
+                b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
+                p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
+            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
+        self.optimizer = make_adamw([self.master], args)
+        self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
+        self.param_shard = torch.cat([self._own(b.param) for b in self.buckets])  # this rank's parameter shard
+        self.in_flight, self.forward_order, self.backward_order = [], [], []
+        for b in self.buckets:
+            self._free(b)
+            b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
+            b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _pad(self, b):
+        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
+        b.end = -(-b.end // self.world_size) * self.world_size
+        return b.end
+
+    def _own(self, flat):
+        """This rank's shard of a bucket-sized buffer."""
+        s = flat.numel() // self.world_size
+        return flat[self.rank * s:(self.rank + 1) * s]
+
+    def _shard(self, b):
+        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
+        return slice(b.start // self.world_size, b.end // self.world_size)
+
+    def _gather(self, b):
+        """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
+        if b.gather is None and b.param.untyped_storage().nbytes() == 0:
+            b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
+            b.gather = comm.all_gather(b.param, self.param_shard[self._shard(b)], async_op=True)
+
+    def _free(self, b):
+        """Free bucket b's full parameters: the storage itself, which autograd's saved views share."""
+        b.param.untyped_storage().resize_(0)
+
+    def _use(self, b, order):
+        """Bucket b is about to run (forward or backward): have its parameters, and prefetch the next bucket's."""
+        if b not in order:
+            order.append(b)  # the first pass records the order; later passes prefetch by it
+        self._gather(b)
+        if b.gather is not None:
+            b.gather.wait()
+            b.gather = None
+        nxt = order.index(b) + 1
+        if nxt < len(order) and not self.args.no_prefetch:
+            self._gather(order[nxt])
+
+    def _after_forward(self, b, out):
+        """Free b's parameters; if backward will come, gather them again just before b's backward."""
+        self._free(b)
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
+
+    def _grad_ready(self, p):
+        """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
+        bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
+        b = self.bucket_of[p]
+        if b.grad is None:
+            b.grad = torch.zeros_like(b.param)
+        b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
+        p.grad = None  # the bucket holds the only gradient
+        b.waiting -= 1
+        if b.waiting == 0:
+            b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])
+            b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
+            self._free(b)  # its backward is done: the full parameters go too
+            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
+                self._release(self.in_flight.pop())
+            self.in_flight.append(b)
+
+    def _release(self, b):
+        """Accumulate a reduced bucket into this rank's gradient shard, and free the bucket's full gradient."""
+        b.work.wait()
+        self.grad_shard[self._shard(b)] += b.reduced
+        b.grad = b.reduced = b.work = None
+
+    def forward(self, x, y):
+        return self.model(x, y)
+
+    def backward(self, loss, sync):
+        for b in self.buckets:  # every micro-step reduces: only the shard accumulates
+            b.waiting = len(b.params)
+        loss.backward()
+        while self.in_flight:
+            self._release(self.in_flight.pop())
+
+    def step(self, lr):
+        grad = self.grad_shard.float()  # this rank's shard of the averaged gradient
+        norm = torch.linalg.vector_norm(grad).square()
+        comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
+        norm = norm.sqrt()
+        self.master.grad = grad.mul_(clip_coef(norm, self.args.grad_clip))
+        self.optimizer.param_groups[0]["lr"] = lr
+        self.optimizer.step()
+        self.master.grad = None
+        self.param_shard.copy_(self.master)  # the updated shard, cast; gathered when next used
+        self.grad_shard.zero_()
+        return norm
+
+    def model_states(self):
+        adam = self.optimizer.state.get(self.master, {})
+        return {"params": [self.param_shard], "grads": [self.grad_shard], "master": [self.master],
+                "adam_m": [adam["exp_avg"]] if adam else [], "adam_v": [adam["exp_avg_sq"]] if adam else []}
+
+    def master_state_dict(self):
+        full = {b: torch.empty(b.end - b.start, device=self.master.device) for b in self.buckets}
+        for b in self.buckets:  # a collective, outside the training steps
+            comm.all_gather(full[b], self.master[self._shard(b)])
+        return {name: full[self.bucket_of[p]][self.offset[p]:self.offset[p] + p.numel()].view_as(p).clone()
+                for name, p in self.model.named_parameters()}
+
+
+if __name__ == "__main__":
+    main(ZeRO3Engine, stage="stage3")
