@@ -122,7 +122,7 @@ class CharData:
     def __init__(self, text, block_size):
         self.chars = sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.int32)
+        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.uint8 if len(self.chars) <= 256 else torch.int32)
         n = int(0.9 * len(ids))
         self.train, self.val, self.block_size = ids[:n], ids[n:], block_size
         if len(self.val) <= block_size + 1:
@@ -367,7 +367,8 @@ def lr_at(step, args):
 # ----------------------------------------------------------------------------------------------------------
 # The loop every stage shares.
 
-def main(Engine, stage, distributed=True):
+def main(Engine, stage, distributed=True, formula=None):
+    """Train with `Engine`; `stage` names the run, `formula` the stage whose memory model applies (default: stage)."""
     args = parse_args(Engine)
     n_layer, n_head, n_embd, block_size, vocab_size = PRESETS[args.preset]
     cfg = GPTConfig(block_size, vocab_size, n_layer, n_head, n_embd)
@@ -390,8 +391,8 @@ def main(Engine, stage, distributed=True):
     model = GPT(cfg).to(device=device, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
     engine = Engine(model, args, device)
-    theory = model_state_theory(stage, engine.padded_numel, world_size, param_bytes)
-    comm_th = comm_theory(stage, engine.padded_numel, world_size, param_bytes, args.grad_accum)
+    theory = model_state_theory(formula or stage, engine.padded_numel, world_size, param_bytes)
+    comm_th = comm_theory(formula or stage, engine.padded_numel, world_size, param_bytes, args.grad_accum)
     if rank == 0:
         print(f"{stage}: {n_params:,} parameters (Ψ), padded to {engine.padded_numel:,}; {world_size} rank(s) on {device.type}, "
               f"{args.dtype}; model states per rank in theory {sum(theory.values()) / 2**20:.2f} MiB; "
@@ -426,14 +427,15 @@ def main(Engine, stage, distributed=True):
             engine.backward(loss / args.grad_accum, sync=(k == args.grad_accum - 1))
             loss_sum += loss.detach().float() / args.grad_accum
         if step == measure_step:  # what this rank holds when the optimizer runs: the paper's model states
-            ledger.update({k: storage_bytes(v) for k, v in engine.model_states().items()}, live=live_tensor_bytes(device))
+            states.update({k: storage_bytes(v) for k, v in engine.model_states().items()})
+            other["live"] = live_tensor_bytes(device)
         grad_norm = engine.step(lr_at(step, args))
         sent = dict(comm.sent)
         if distributed:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
         return loss_sum.item(), float(grad_norm), sent
 
-    ledger = {}
+    states, other = {}, {}
     for step in bar:
         t0 = time.perf_counter()
         comm.sent.clear()
@@ -451,8 +453,6 @@ def main(Engine, stage, distributed=True):
             tok_s = args.batch_size * cfg.block_size / step_times[-1] if step_times else 0
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB")
 
-    live = ledger.pop("live", None)
-    states = ledger
     per_rank = [None] * world_size
     if distributed:
         dist.all_gather_object(per_rank, states)
@@ -468,7 +468,7 @@ def main(Engine, stage, distributed=True):
                        dtype=args.dtype, device=device.type, config=vars(cfg), args=vars(args),
                        losses=losses, grad_norms=grad_norms, val_losses=val_losses, val_loss=val_losses[-1][1],
                        unigram_loss=data.unigram_loss, tokens_per_s=tokens_per_s, peak_memory_bytes=peak,
-                       live_tensor_bytes=live,
+                       live_tensor_bytes=other.get("live"), data_bytes=storage_bytes([data.train, data.val]),
                        model_state_bytes={k: {"measured": states.get(k, 0), "theory": theory[k]} for k in theory},
                        model_state_bytes_per_rank=per_rank,
                        comm_bytes_per_step={"measured": sum(comm_sent.values()), "theory": sum(comm_th.values()),
