@@ -160,6 +160,12 @@ def model_state_theory(stage, n_params, world_size, param_bytes=2):
             "master": 4 * n_params, "adam_m": 4 * n_params, "adam_v": 4 * n_params}
     return {k: v // world_size if k in SHARDED[stage] else v for k, v in full.items()}
 
+def host_categories(stage, offload_params=False):
+    """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device."""
+    if stage != "offload":
+        return ()
+    return ("grads", "master", "adam_m", "adam_v") + (("params",) if offload_params else ())
+
 def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
     """Bytes this rank sends per optimizer step, by collective, with ring algorithms: an all-reduce sends
     2(N-1)/N of the tensor, a reduce-scatter or an all-gather (N-1)/N. Gradient accumulation: stages 0
@@ -428,7 +434,7 @@ def main(Engine, stage, distributed=True, formula=None):
             loss_sum += loss.detach().float() / args.grad_accum
         if step == measure_step:  # what this rank holds when the optimizer runs: the paper's model states
             states.update({k: storage_bytes(v) for k, v in engine.model_states().items()})
-            other["live"] = live_tensor_bytes(device)
+            other["live"] = live_tensor_bytes(device)  # beyond model states and data: buffers in flight, leaks
         grad_norm = engine.step(lr_at(step, args))
         sent = dict(comm.sent)
         if distributed:
@@ -468,7 +474,7 @@ def main(Engine, stage, distributed=True, formula=None):
                        dtype=args.dtype, device=device.type, config=vars(cfg), args=vars(args),
                        losses=losses, grad_norms=grad_norms, val_losses=val_losses, val_loss=val_losses[-1][1],
                        unigram_loss=data.unigram_loss, tokens_per_s=tokens_per_s, peak_memory_bytes=peak,
-                       live_tensor_bytes=other.get("live"), data_bytes=storage_bytes([data.train, data.val]),
+                       other_tensor_bytes=other["live"] - sum(states.values()) - storage_bytes([data.train, data.val]),
                        model_state_bytes={k: {"measured": states.get(k, 0), "theory": theory[k]} for k in theory},
                        model_state_bytes_per_rank=per_rank,
                        comm_bytes_per_step={"measured": sum(comm_sent.values()), "theory": sum(comm_th.values()),

@@ -1,0 +1,75 @@
+"""Shared machinery for the tests: run a stage under torchrun (CPU, gloo), once per configuration, and read what it
+wrote. `pytest tests --stage path/to/my_stage2.py` runs the stage checks against any file that implements a stage."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+STAGES = ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py"]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stage", action="append", default=[], metavar="FILE",
+                     help="a file implementing a stage, to test instead of the repository's stages (repeatable)")
+
+
+def stage_files(config):
+    return [str(Path(f).resolve()) for f in config.getoption("stage")] or [str(ROOT / f) for f in STAGES]
+
+
+def pytest_generate_tests(metafunc):
+    if "stage_file" in metafunc.fixturenames:
+        files = stage_files(metafunc.config)
+        metafunc.parametrize("stage_file", files, ids=[Path(f).stem for f in files])
+
+
+class Run:
+    def __init__(self, summary, master, stdout, stderr):
+        self.summary, self.master, self.stdout, self.stderr = summary, master, stdout, stderr
+
+
+class Runner:
+    """Runs training scripts in subprocesses, each configuration once per test session."""
+
+    def __init__(self, tmp):
+        self.tmp, self.cache, self.help = tmp, {}, {}
+
+    def options(self, script):
+        """The script's command-line options, to pass stage-specific ones only where they exist."""
+        if script not in self.help:
+            self.help[script] = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
+                                               cwd=ROOT, env=self.env()).stdout
+        return self.help[script]
+
+    def env(self):
+        return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+    def command(self, script, nproc, args):
+        if nproc is None:
+            return [sys.executable, script, *args]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+    def run(self, script, nproc, *args):
+        """Train; return the JSON summary and the final fp32 parameters rank 0 wrote."""
+        key = (script, nproc, args)
+        if key not in self.cache:
+            tag = f"{Path(script).stem}_{nproc}_{len(self.cache)}"
+            out, master = self.tmp / f"{tag}.json", self.tmp / f"{tag}.pt"
+            cmd = self.command(script, nproc, [*args, "--out", str(out), "--save_master", str(master)])
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=self.env(), timeout=900)
+            if p.returncode != 0 or not out.exists() or not master.exists():
+                pytest.fail(f"this run failed (exit code {p.returncode}):\n  {' '.join(cmd)}\n--- its last output ---\n"
+                            + "\n".join((p.stdout + p.stderr).strip().splitlines()[-25:]), pytrace=False)
+            self.cache[key] = Run(json.loads(out.read_text()), torch.load(master), p.stdout, p.stderr)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def runner(tmp_path_factory):
+    return Runner(tmp_path_factory.mktemp("runs"))

@@ -1,0 +1,64 @@
+"""Bad input gets one clear line that names the fix, before any work starts; and the reference really learns."""
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+TINY = ["--preset", "tiny", "--steps", "2", "--no_progress", "--sample_chars", "0"]
+
+
+def fails_fast(cmd, expected):
+    start = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    elapsed = time.perf_counter() - start
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("error:") or ": error:" in ln]
+    assert p.returncode != 0, f"{' '.join(cmd)} should fail, but exited 0"
+    assert "Traceback" not in p.stderr, f"a traceback instead of a one-line error:\n{p.stderr}"
+    assert len(lines) >= 1 and expected in lines[-1], f"expected an error line with {expected!r}, got:\n{p.stderr}"
+    assert "parameters (Ψ)" not in p.stdout, "the error came after the model was built: check inputs first"
+    return elapsed
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--batch_size", "9", "--grad_accum", "2"], "use a multiple of 2"),
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--data", "/no/such/file.txt"], "no such file"),
+    (["--n_embd", "65", "--n_head", "2"], "not divisible by --n_head"),
+])
+def test_bad_input_one_line_error(args, expected):
+    fails_fast([sys.executable, str(ROOT / "stage0_ddp.py"), *TINY, *args], expected)
+
+
+def test_batch_not_divisible_by_world_size_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(ROOT / "stage1.py"), *TINY, "--batch_size", "6"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode != 0 and "--batch_size 6 is not divisible by world_size 4" in p.stderr + p.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given where there is no GPU")
+def test_cuda_requested_without_gpu():
+    fails_fast([sys.executable, str(ROOT / "train_gpt.py"), *TINY, "--device", "cuda"], "--device cuda, but torch sees no CUDA GPU")
+
+
+def test_reference_learns_real_text(runner):
+    """A few seconds of training take the tiny GPT clearly below the unigram baseline, and it writes a sample."""
+    run = runner.run(str(ROOT / "train_gpt.py"), None, "--preset", "tiny", "--steps", "150", "--no_progress",
+                     "--sample_chars", "100", "--eval_every", "150")
+    s = run.summary
+    assert s["val_loss"] < s["unigram_loss"] - 0.4, f"val loss {s['val_loss']:.3f} vs unigram {s['unigram_loss']:.3f}"
+    assert "--- sample ---" in run.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("script", ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py"])
+def test_cuda_stage_runs_and_matches_formula(runner, script):
+    """On a GPU (one rank, NCCL): the same code trains, and its ledgers match the formulas."""
+    s = runner.run(str(ROOT / script), 1, *TINY, "--device", "cuda", "--steps", "3").summary
+    assert s["device"] == "cuda"
+    for category, v in s["model_state_bytes"].items():
+        assert v["measured"] == v["theory"], f"{script} on CUDA: {category} {v}"
