@@ -22,7 +22,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import clip_coef, comm, main, make_adamw
+from train_gpt import AdamW, clip_coef, comm, main
 
 
 class Bucket:
@@ -65,11 +65,12 @@ class DDPEngine:
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
             b.grad = torch.zeros_like(b.param)
         self.master = torch.cat([b.param for b in self.buckets]).float()  # fp32 master weights
-        self.optimizer = make_adamw([self.master], args)
+        self.optimizer = AdamW(self.master, args)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.sync = True
 
+    # [DDP] add p's gradient into its bucket; once the bucket is complete (and sync), start its async all-reduce (average)
     def _grad_ready(self, p):
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's all-reduce now, so that it overlaps the rest of backward."""
@@ -79,10 +80,12 @@ class DDPEngine:
         b.waiting -= 1
         if b.waiting == 0 and self.sync:
             b.work = comm.all_reduce(b.grad, async_op=True)
+    # [/DDP]
 
     def forward(self, x, y):
         return self.model(x, y)
 
+    # [DDP] run backward (communicating only if sync: no_sync before the last micro-step), then wait for every bucket
     def backward(self, loss, sync):
         self.sync = sync  # no_sync: micro-steps before the last only accumulate
         for b in self.buckets:
@@ -91,23 +94,20 @@ class DDPEngine:
         if sync:
             for b in self.buckets:
                 b.work.wait()
+    # [/DDP]
 
     def step(self, lr):
         grad = torch.cat([b.grad for b in self.buckets]).float()  # every rank holds the whole averaged gradient
         norm = torch.linalg.vector_norm(grad)
-        self.master.grad = grad.mul_(clip_coef(norm, self.args.grad_clip))
-        self.optimizer.param_groups[0]["lr"] = lr
-        self.optimizer.step()
-        self.master.grad = None
+        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip)), lr)
         for b in self.buckets:
             b.param.copy_(self.master[b.start:b.end])  # the updated weights, cast back into the model
             b.grad.zero_()
         return norm
 
     def model_states(self):
-        adam = self.optimizer.state.get(self.master, {})
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
-                "adam_m": [adam["exp_avg"]] if adam else [], "adam_v": [adam["exp_avg_sq"]] if adam else []}
+                "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def master_state_dict(self):
         start = {p: self.bucket_of[p].start + self.offset[p] for p in self.bucket_of}

@@ -22,7 +22,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import clip_coef, comm, main, make_adamw
+from train_gpt import AdamW, clip_coef, comm, main
 
 
 class Bucket:
@@ -65,12 +65,15 @@ class ZeRO1Engine:
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
             b.grad = torch.zeros_like(b.param)
+        # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
-        self.optimizer = make_adamw([self.master], args)
+        # [/ZeRO-1]
+        self.optimizer = AdamW(self.master, args)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.sync = True
 
+    # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
         """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
@@ -84,6 +87,7 @@ class ZeRO1Engine:
     def _shard(self, b):
         """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
+    # [/ZeRO-1]
 
     def _grad_ready(self, p):
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
@@ -93,7 +97,9 @@ class ZeRO1Engine:
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
         if b.waiting == 0 and self.sync:
+            # [ZeRO-1] reduce-scatter the bucket (average) into this rank's slice of grad_shard, asynchronously
             b.work = comm.reduce_scatter(self.grad_shard[self._shard(b)], b.grad, async_op=True)
+            # [/ZeRO-1]
 
     def forward(self, x, y):
         return self.model(x, y)
@@ -110,16 +116,17 @@ class ZeRO1Engine:
                 b.work.wait()
 
     def step(self, lr):
+        # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient
         grad = self.grad_shard.float()  # this rank's shard of the averaged gradient
         norm = torch.linalg.vector_norm(grad).square()
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        self.master.grad = grad.mul_(clip_coef(norm, self.args.grad_clip))
-        self.optimizer.param_groups[0]["lr"] = lr
-        self.optimizer.step()
-        self.master.grad = None
+        # [/ZeRO-1]
+        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip)), lr)
+        # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
         works = [comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype), async_op=True)
                  for b in self.buckets]  # every rank's updated shard, cast, into every rank's model
+        # [/ZeRO-1]
         for b, work in zip(self.buckets, works):
             work.wait()
             b.grad.zero_()
@@ -127,9 +134,8 @@ class ZeRO1Engine:
         return norm
 
     def model_states(self):
-        adam = self.optimizer.state.get(self.master, {})
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
-                "adam_m": [adam["exp_avg"]] if adam else [], "adam_v": [adam["exp_avg_sq"]] if adam else []}
+                "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def master_state_dict(self):
         full = {b: torch.empty(b.end - b.start, device=self.master.device) for b in self.buckets}

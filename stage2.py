@@ -21,7 +21,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import clip_coef, comm, main, make_adamw
+from train_gpt import AdamW, clip_coef, comm, main
 
 
 class Bucket:
@@ -64,13 +64,16 @@ class ZeRO2Engine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
-        self.optimizer = make_adamw([self.master], args)
+        # [/ZeRO-1]
+        self.optimizer = AdamW(self.master, args)
         self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
         self.in_flight = []
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
+    # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
         """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
@@ -84,28 +87,35 @@ class ZeRO2Engine:
     def _shard(self, b):
         """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
+    # [/ZeRO-1]
 
     def _grad_ready(self, p):
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
+        # [/ZeRO-2]
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
         if b.waiting == 0:
+            # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])
             b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
+            # [/ZeRO-2]
 
+    # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
     def _release(self, b):
         """Accumulate a reduced bucket into this rank's gradient shard, and free the bucket's full gradient."""
         b.work.wait()
         self.grad_shard[self._shard(b)] += b.reduced
         b.grad = b.reduced = b.work = None
+    # [/ZeRO-2]
 
     def forward(self, x, y):
         return self.model(x, y)
@@ -118,25 +128,25 @@ class ZeRO2Engine:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
+        # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient
         grad = self.grad_shard.float()  # this rank's shard of the averaged gradient
         norm = torch.linalg.vector_norm(grad).square()
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        self.master.grad = grad.mul_(clip_coef(norm, self.args.grad_clip))
-        self.optimizer.param_groups[0]["lr"] = lr
-        self.optimizer.step()
-        self.master.grad = None
+        # [/ZeRO-1]
+        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip)), lr)
+        # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
         works = [comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype), async_op=True)
                  for b in self.buckets]  # every rank's updated shard, cast, into every rank's model
+        # [/ZeRO-1]
         for work in works:
             work.wait()
         self.grad_shard.zero_()
         return norm
 
     def model_states(self):
-        adam = self.optimizer.state.get(self.master, {})
         return {"params": [b.param for b in self.buckets], "grads": [self.grad_shard], "master": [self.master],
-                "adam_m": [adam["exp_avg"]] if adam else [], "adam_v": [adam["exp_avg_sq"]] if adam else []}
+                "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def master_state_dict(self):
         full = {b: torch.empty(b.end - b.start, device=self.master.device) for b in self.buckets}

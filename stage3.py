@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import clip_coef, comm, main, make_adamw
+from train_gpt import AdamW, clip_coef, comm, main
 
 
 class Bucket:
@@ -54,6 +54,7 @@ class ZeRO3Engine:
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         params = list(model.parameters())
+        # [ZeRO-3] one bucket per unit (each ModuleList child, then the root): a unit's parameters not already taken
         units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]
         self.buckets, self.bucket_of, self.offset, end = [], {}, {}, 0
         for m in units:  # the root comes last and takes the parameters no block owns
@@ -66,6 +67,7 @@ class ZeRO3Engine:
                     b.end += p.numel()
             end = self._pad(self.buckets[-1])
         self.padded_numel = end
+        # [/ZeRO-3]
 
         # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
         # It is full only while in use: the rank keeps its shard of it.
@@ -75,18 +77,23 @@ class ZeRO3Engine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
-        self.optimizer = make_adamw([self.master], args)
+        # [/ZeRO-1]
+        self.optimizer = AdamW(self.master, args)
         self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
-        self.param_shard = torch.cat([self._own(b.param) for b in self.buckets])  # this rank's parameter shard
         self.in_flight, self.forward_order, self.backward_order = [], [], []
+        # [ZeRO-3] keep only this rank's shard of the parameters; free the full buckets; hook every unit's forward
+        self.param_shard = torch.cat([self._own(b.param) for b in self.buckets])  # this rank's parameter shard
         for b in self.buckets:
             self._free(b)
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
+        # [/ZeRO-3]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
+    # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
         """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
@@ -100,7 +107,9 @@ class ZeRO3Engine:
     def _shard(self, b):
         """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
+    # [/ZeRO-1]
 
+    # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
     def _gather(self, b):
         """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
         if b.gather is None and b.param.untyped_storage().nbytes() == 0:
@@ -129,29 +138,38 @@ class ZeRO3Engine:
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
+    # [/ZeRO-3]
 
     def _grad_ready(self, p):
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
+        # [/ZeRO-2]
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
         if b.waiting == 0:
+            # [ZeRO-3] the bucket's backward is done: free its full parameters
+            self._free(b)
+            # [/ZeRO-3]
+            # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])
             b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
-            self._free(b)  # its backward is done: the full parameters go too
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
+            # [/ZeRO-2]
 
+    # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
     def _release(self, b):
         """Accumulate a reduced bucket into this rank's gradient shard, and free the bucket's full gradient."""
         b.work.wait()
         self.grad_shard[self._shard(b)] += b.reduced
         b.grad = b.reduced = b.work = None
+    # [/ZeRO-2]
 
     def forward(self, x, y):
         return self.model(x, y)
@@ -164,22 +182,22 @@ class ZeRO3Engine:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
+        # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient
         grad = self.grad_shard.float()  # this rank's shard of the averaged gradient
         norm = torch.linalg.vector_norm(grad).square()
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        self.master.grad = grad.mul_(clip_coef(norm, self.args.grad_clip))
-        self.optimizer.param_groups[0]["lr"] = lr
-        self.optimizer.step()
-        self.master.grad = None
+        # [/ZeRO-1]
+        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip)), lr)
+        # [ZeRO-3] the updated shard, cast into this rank's parameter shard (no all-gather: gathered when next used)
         self.param_shard.copy_(self.master)  # the updated shard, cast; gathered when next used
+        # [/ZeRO-3]
         self.grad_shard.zero_()
         return norm
 
     def model_states(self):
-        adam = self.optimizer.state.get(self.master, {})
         return {"params": [self.param_shard], "grads": [self.grad_shard], "master": [self.master],
-                "adam_m": [adam["exp_avg"]] if adam else [], "adam_v": [adam["exp_avg_sq"]] if adam else []}
+                "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def master_state_dict(self):
         full = {b: torch.empty(b.end - b.start, device=self.master.device) for b in self.buckets}

@@ -177,7 +177,7 @@ def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
             "stage1": {"reduce_scatter": psi * ring, "all_gather": psi * ring, "all_reduce": norm},
             "stage2": {"reduce_scatter": grad_accum * psi * ring, "all_gather": psi * ring, "all_reduce": norm},
             "stage3": {"all_gather": 2 * grad_accum * psi * ring, "reduce_scatter": grad_accum * psi * ring, "all_reduce": norm},
-            }[stage]
+            }[stage if stage != "offload" else "stage3"]
 
 # ----------------------------------------------------------------------------------------------------------
 # Instrumentation, shared so the stage files read as the algorithm.
@@ -256,12 +256,23 @@ class PeakMemory:
 # ----------------------------------------------------------------------------------------------------------
 # The reference engine: the recipe on one device, no distribution. Every stage must match it.
 
-def make_adamw(params, args):
-    """torch's AdamW: decoupled weight decay, bias correction from the step count it keeps per tensor (one
-    flat tensor per rank in the stages, so one count per step). We decay every parameter, as torch's default
-    does; nanoGPT spares biases and norms, which would split each flat shard into two groups."""
-    return torch.optim.AdamW(params, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8,
-                             weight_decay=args.weight_decay, fused=True)
+class AdamW:
+    """torch.optim.AdamW's arithmetic on one fp32 tensor: decoupled weight decay, then the moments, then the step with
+    bias correction (eps added after it). Its state is the paper's K = 12 bytes: the master weights it updates, m, v.
+    The step is counted once per call, never per tensor. It decays every parameter, as torch's default does; nanoGPT
+    spares biases and norms, which would split each flat shard into two groups."""
+    def __init__(self, param, args, eps=1e-8):
+        self.param, self.args, self.eps, self.t = param, args, eps, 0
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+
+    @torch.no_grad()
+    def step(self, grad, lr):
+        a, self.t = self.args, self.t + 1
+        self.param.mul_(1 - lr * a.weight_decay)
+        self.exp_avg.lerp_(grad, 1 - a.beta1)
+        self.exp_avg_sq.mul_(a.beta2).addcmul_(grad, grad, value=1 - a.beta2)
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - a.beta2 ** self.t)).add_(self.eps)
+        self.param.addcdiv_(self.exp_avg, denom, value=-lr / (1 - a.beta1 ** self.t))
 
 def clip_coef(norm, max_norm):
     """The factor torch.nn.utils.clip_grad_norm_ scales gradients by."""
@@ -273,7 +284,7 @@ class SingleDeviceEngine:
         self.params = list(model.parameters())
         self.padded_numel = sum(p.numel() for p in self.params)
         self.master = [p.detach().float().clone() for p in self.params]  # fp32 master weights
-        self.optimizer = make_adamw(self.master, args)
+        self.optimizers = [AdamW(m, args) for m in self.master]
 
     def forward(self, x, y):
         return self.model(x, y)
@@ -284,19 +295,16 @@ class SingleDeviceEngine:
     def step(self, lr):
         grads = [p.grad.float() for p in self.params]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        for m, g in zip(self.master, grads):
-            m.grad = g.mul_(clip_coef(norm, self.args.grad_clip))
-        self.optimizer.param_groups[0]["lr"] = lr
-        self.optimizer.step()
+        for optimizer, g in zip(self.optimizers, grads):
+            optimizer.step(g.mul_(clip_coef(norm, self.args.grad_clip)), lr)
         for p, m in zip(self.params, self.master):
             p.data.copy_(m)
-            p.grad = m.grad = None
+            p.grad = None
         return norm
 
     def model_states(self):
-        st = [self.optimizer.state[m] for m in self.master if m in self.optimizer.state]
-        return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None],
-                "master": self.master, "adam_m": [s["exp_avg"] for s in st], "adam_v": [s["exp_avg_sq"] for s in st]}
+        return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None], "master": self.master,
+                "adam_m": [o.exp_avg for o in self.optimizers], "adam_v": [o.exp_avg_sq for o in self.optimizers]}
 
     def master_state_dict(self):
         names = [n for n, _ in self.model.named_parameters()]
@@ -399,6 +407,7 @@ def main(Engine, stage, distributed=True, formula=None):
     engine = Engine(model, args, device)
     theory = model_state_theory(formula or stage, engine.padded_numel, world_size, param_bytes)
     comm_th = comm_theory(formula or stage, engine.padded_numel, world_size, param_bytes, args.grad_accum)
+    host = host_categories(formula or stage, getattr(args, "offload_params", False))
     if rank == 0:
         print(f"{stage}: {n_params:,} parameters (Ψ), padded to {engine.padded_numel:,}; {world_size} rank(s) on {device.type}, "
               f"{args.dtype}; model states per rank in theory {sum(theory.values()) / 2**20:.2f} MiB; "
@@ -475,7 +484,8 @@ def main(Engine, stage, distributed=True, formula=None):
                        losses=losses, grad_norms=grad_norms, val_losses=val_losses, val_loss=val_losses[-1][1],
                        unigram_loss=data.unigram_loss, tokens_per_s=tokens_per_s, peak_memory_bytes=peak,
                        other_tensor_bytes=other["live"] - sum(states.values()) - storage_bytes([data.train, data.val]),
-                       model_state_bytes={k: {"measured": states.get(k, 0), "theory": theory[k]} for k in theory},
+                       model_state_bytes={k: {"measured": states.get(k, 0), "theory": theory[k],
+                                              "where": "host" if k in host else "device"} for k in theory},
                        model_state_bytes_per_rank=per_rank,
                        comm_bytes_per_step={"measured": sum(comm_sent.values()), "theory": sum(comm_th.values()),
                                             "by_collective": {k: {"measured": comm_sent.get(k, 0.0), "theory": comm_th.get(k, 0.0)}

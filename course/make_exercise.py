@@ -1,0 +1,103 @@
+"""
+make_exercise.py: turn a reference stage file into an exercise. Each region that a stage file marks as its own idea,
+
+    # [ZeRO-2] what this region must do
+    ...the code...
+    # [/ZeRO-2]
+
+is replaced by a TODO that says what the region must do, and a `raise NotImplementedError` that says it again when
+the code runs. Functions keep their signatures and docstrings, so the exercise still imports; the test suite then
+grades it. By default the exercise blanks the file's newest idea (stage2.py: ZeRO-2); `--tag` picks others.
+
+    python course/make_exercise.py stage2.py                        # writes exercises/stage2.py
+    python course/make_exercise.py stage3.py --tag ZeRO-2 --tag ZeRO-3 -o exercises/stage3_hard.py
+    python -m pytest tests --stage exercises/stage2.py              # grade a student's file
+"""
+import argparse
+import re
+import sys
+from pathlib import Path
+
+TAGS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Offload"]  # in the order the stages introduce them
+BEGIN = re.compile(r"^(?P<indent>\s*)# \[(?P<tag>[\w-]+)\] (?P<todo>.+)$")
+END = re.compile(r"^\s*# \[/(?P<tag>[\w-]+)\]\s*$")
+
+
+def tags_in(source):
+    found = {m.group("tag") for line in source.splitlines() if (m := BEGIN.match(line))}
+    return [t for t in TAGS if t in found]
+
+
+def signature_and_docstring(body, k):
+    """The lines of the `def` starting at body[k]: its signature (which may span lines) and docstring, if any."""
+    j = k
+    while not body[j].rstrip().endswith(":"):
+        j += 1
+    j += 1  # the first line of the function's body
+    if j < len(body) and body[j].strip().startswith('"""'):
+        one_line = body[j].strip().count('"""') == 2
+        j = (j if one_line else next(i for i in range(j + 1, len(body)) if '"""' in body[i])) + 1
+    return body[k:j]
+
+
+def blank_region(indent, tag, todo, body):
+    todo = todo.rstrip()
+    message = f"TODO [{tag}]: {todo}"
+    out = [f"{indent}# TODO [{tag}]: {todo}"]
+    defs = [k for k, line in enumerate(body) if line.startswith(indent + "def ")]
+    if not defs:
+        out.append(f"{indent}raise NotImplementedError({message!r})")
+    for k in defs:
+        out += signature_and_docstring(body, k)
+        out.append(f"{indent}    raise NotImplementedError({message!r})")
+        out.append("")
+    if defs:
+        out.pop()
+    out.append(f"{indent}# end of TODO [{tag}]")
+    return out
+
+
+def make_exercise(source, tags):
+    lines, out, i = source.splitlines(), [], 0
+    while i < len(lines):
+        m = BEGIN.match(lines[i])
+        if not m or m.group("tag") not in tags:
+            out.append(lines[i])
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not ((e := END.match(lines[j])) and e.group("tag") == m.group("tag")):
+            j += 1
+        if j == len(lines):
+            raise SystemExit(f"error: line {i + 1}: `# [{m.group('tag')}]` has no closing `# [/{m.group('tag')}]`")
+        out += blank_region(m.group("indent"), m.group("tag"), m.group("todo"), lines[i + 1:j])
+        i = j + 1
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Make the exercise version of a stage file.")
+    p.add_argument("stage", help="a reference stage file, e.g. stage2.py")
+    p.add_argument("--tag", action="append", choices=TAGS, help="the idea(s) to blank (default: the file's newest)")
+    p.add_argument("-o", "--output", help="where to write it (default: exercises/<file name>)")
+    args = p.parse_args(argv)
+    path = Path(args.stage)
+    if not path.is_file():
+        raise SystemExit(f"error: {path}: no such file; name a stage file such as stage2.py")
+    source = path.read_text()
+    present = tags_in(source)
+    if not present:
+        raise SystemExit(f"error: {path} marks no idea with `# [TAG] ...` / `# [/TAG]`; tags are {', '.join(TAGS)}")
+    tags = args.tag or present[-1:]
+    missing = [t for t in tags if t not in present]
+    if missing:
+        raise SystemExit(f"error: {path} has no region tagged {', '.join(missing)}; it has {', '.join(present)}")
+    out = Path(args.output) if args.output else Path("exercises") / path.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(make_exercise(source, tags))
+    print(f"wrote {out}: blanked {', '.join(tags)}; grade it with: python -m pytest tests --stage {out}")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
