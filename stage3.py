@@ -21,7 +21,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
     torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100
     torchrun --standalone --nproc_per_node 8 stage3.py --preset gpt2
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage3.py --preset gpt2
-    python stage2.py                         # a world of one, through the same code
+    python stage3.py                         # a world of one, through the same code
 """
 import torch
 import torch.distributed as dist

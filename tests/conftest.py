@@ -11,7 +11,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-STAGES = ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py"]
+STAGES = ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py", "offload.py"]
 
 
 def pytest_addoption(parser):

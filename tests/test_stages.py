@@ -113,9 +113,9 @@ def test_freed_what_the_stage_promises(runner, stage_file, nproc):
 def test_peak_memory_falls_stage_by_stage(runner, request):
     """At N = 4, with a model deep enough that stage 3's working set (root + two blocks) is small, the measured peak
     falls from stage 0 to stage 3, as the formulas say."""
-    files = [str(ROOT / f) for f in STAGES]
-    if [str(f) for f in files] != [str(f) for f in __import__("conftest").stage_files(request.config)]:
-        pytest.skip("compares the repository's four stages")
+    files = [str(ROOT / f) for f in STAGES[:4]]  # offload trades device memory for host memory: on a CPU, both are one
+    if request.config.getoption("stage"):
+        pytest.skip("compares the repository's stages 0 to 3")
     model = ["--preset", "tiny", "--n_layer", "8", "--n_embd", "64", "--n_head", "2", "--block_size", "16"]
     args = [*model, "--dtype", "fp32", "--steps", "2", "--batch_size", "4", "--sample_chars", "0", "--no_progress"]
     peaks = {}

@@ -1,0 +1,339 @@
+"""
+offload.py: ZeRO-Offload (as ZeRO-3 Offload), stage 3 plus one idea: the optimizer lives on the CPU.
+
+The fp32 master weights, both Adam moments and the gradient shard move to CPU memory (pinned, with CUDA), and a C++
+AdamW (cpu_adam.cpp, OpenMP + SIMD) updates them there. Per rank (ZeRO-Offload paper; ZeRO-Infinity's ZeRO-3 Offload):
+    device: bf16 parameter shard 2Ψ/N (none with --offload_params) + the working set of stage 3
+    host:   bf16 gradient shard 2Ψ/N + fp32 master, Adam m, Adam v 12Ψ/N (+ the parameter shard 2Ψ/N with --offload_params)
+Between ranks it sends what stage 3 sends, 3Ψ·(N-1)/N per micro-step; over each rank's device-host link, its
+gradient shard goes down and its parameter shard comes back up: 2Ψ/N + 2Ψ/N bytes per step.
+
+How: as stage 3, but when a bucket's reduce-scatter is done, its reduced shard is copied device-to-host on a copy
+stream beside the compute stream, so the copy overlaps the rest of backward (with --grad_accum the shard is summed
+on the device until the last micro-step, so the link carries it once per step). The step waits for those copies
+(an event), computes the global norm from the host shards, and runs the C++ AdamW over one bucket's shard at a time,
+which also writes the updated bf16 parameters into a pinned staging buffer in the same pass; each chunk's
+host-to-device copy then overlaps the next chunk's update. With --delayed_update, the CPU update of step t runs in
+a background thread while the device computes step t+1 with the parameters of step t-1 (the paper's DPU): one step
+stale, and a second host gradient shard (2Ψ/N) so that step t+1 has somewhere to put its gradients.
+
+Without CUDA the "device" is the CPU: the copy stream and events do nothing and copies are plain, but the
+algorithm, the buffers and the ledgers are the same, so the tests on a CPU cover them.
+
+Run:
+    torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
+    torchrun --standalone --nproc_per_node 1 offload.py --preset gpt2-large --offload_params    # one GPU, 774M
+    python offload.py --delayed_update
+"""
+import os
+import shutil
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils.cpp_extension
+
+from train_gpt import clip_coef, comm, main
+
+_cpu_adam = None  # the built module, once load_cpu_adam() has run
+
+
+def load_cpu_adam(verbose=False):
+    """Build (once, cached by torch in TORCH_EXTENSIONS_DIR) and return the C++ AdamW module from cpu_adam.cpp."""
+    global _cpu_adam
+    if _cpu_adam is not None:
+        return _cpu_adam
+    how = "install a C++ compiler (apt-get install g++) and ninja (pip install ninja)"
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")
+    try:
+        torch.utils.cpp_extension.verify_ninja_availability()
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None:
+            raise RuntimeError(f"C++ compiler {cxx!r} not found on PATH")
+        with open(path) as f:
+            src = f.read()
+        _cpu_adam = torch.utils.cpp_extension.load_inline(
+            name="cpu_adam",
+            cpp_sources=[src],
+            functions=["adam_step", "touch_28_bytes"],
+            # -march=native: AVX-512/AVX2 paths for this CPU (the cache is per machine: don't share it across CPUs).
+            # -ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
+    except Exception as e:
+        raise RuntimeError(f"could not build cpu_adam.cpp: {how}\n{type(e).__name__}: {e}") from e
+    return _cpu_adam
+
+
+class Copies:
+    """The device-specific part, kept thin. Three moving parts: the compute stream (forward, backward, the waits for
+    collectives), a copy stream beside it for device<->host copies, and the events that join the two. Without CUDA the
+    "device" is the CPU: copies are plain and synchronous, and there is nothing to join."""
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def copy(self, dst, src):
+        """dst.copy_(src) on the copy stream, after the compute stream has produced src and finished with dst."""
+        if not self.cuda:
+            return dst.copy_(src)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        for t in (src, dst):
+            if t.is_cuda:
+                t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+
+    def event(self):
+        """An event that fires when every copy queued so far has landed."""
+        return self.stream.record_event() if self.cuda else None
+
+    def host_waits(self, event):
+        if event is not None:
+            event.synchronize()
+
+    def compute_waits(self, event):
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+def host_buffer(t, cuda):
+    """A copy of t in CPU memory, pinned if there is a GPU (pageable memory makes device-host copies much slower)."""
+    return t.cpu().pin_memory() if cuda else t.cpu().clone()
+
+
+
+
+class Bucket:
+    """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
+    a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
+    def __init__(self, start, module):
+        self.start = self.end = start  # its place in the flat numbering of all parameters
+        self.module = module
+        self.params = []
+        self.waiting = 0   # gradients still to arrive in this backward
+        self.work = None   # the collective in flight
+        self.grad = None   # the bucket's full gradient: exists only until reduced
+        self.gather = None  # the all-gather of its parameters in flight
+        self.acc = None    # with --grad_accum: its reduced shard, summed on the device until the last micro-step
+
+
+class OffloadEngine:
+    """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
+        parser.add_argument("--offload_params", action="store_true", help="keep the parameter shard on the CPU too")
+        parser.add_argument("--delayed_update", action="store_true", help="run step t's CPU update during step t+1")
+
+    def __init__(self, model, args, device):
+        self.model, self.args = model, args
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        params = list(model.parameters())
+        # [ZeRO-3] one bucket per unit (each ModuleList child, then the root): a unit's parameters not already taken
+        units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]
+        self.buckets, self.bucket_of, self.offset, end = [], {}, {}, 0
+        for m in units:  # the root comes last and takes the parameters no block owns
+            self.buckets.append(Bucket(end, m))
+            for p in m.parameters():
+                if p not in self.bucket_of:
+                    b = self.buckets[-1]
+                    self.bucket_of[p], self.offset[p] = b, b.end - b.start
+                    b.params.append(p)
+                    b.end += p.numel()
+            end = self._pad(self.buckets[-1])
+        self.padded_numel = end
+        # [/ZeRO-3]
+
+        # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
+        # It is full only while in use: the rank keeps its shard of it.
+        for b in self.buckets:
+            b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
+            for p in b.params:
+                b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
+                p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
+            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        # [Offload] this rank's fp32 master weights, Adam moments and gradient shard, in CPU memory; the C++ AdamW
+        self.copies, self.device, cuda = Copies(device), device, device.type == "cuda"
+        self.master = host_buffer(torch.cat([self._own(b.param) for b in self.buckets]).float(), cuda)
+        self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
+        self.adam, self.adam_step = load_cpu_adam(), 0
+        self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
+        # [/Offload]
+        self.in_flight, self.forward_order, self.backward_order = [], [], []
+        # [ZeRO-3] keep only this rank's shard of the parameters; free the full buckets; hook every unit's forward
+        self.param_shard = torch.cat([self._own(b.param) for b in self.buckets])  # this rank's parameter shard
+        for b in self.buckets:
+            self._free(b)
+            b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
+            b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
+        # [/ZeRO-3]
+        if args.offload_params:  # the parameter shard in CPU memory too: it travels to the device inside the gather
+            self.param_shard = host_buffer(self.param_shard, cuda)
+        self.spare_grad_shard = torch.zeros_like(self.grad_shard) if args.delayed_update else None
+        self.update, self.grads_on_host, self.sync = None, None, True
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
+    def _pad(self, b):
+        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
+        b.end = -(-b.end // self.world_size) * self.world_size
+        return b.end
+
+    def _own(self, flat):
+        """This rank's shard of a bucket-sized buffer."""
+        s = flat.numel() // self.world_size
+        return flat[self.rank * s:(self.rank + 1) * s]
+
+    def _shard(self, b):
+        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
+        return slice(b.start // self.world_size, b.end // self.world_size)
+    # [/ZeRO-1]
+
+    # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
+    def _gather(self, b):
+        """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
+        if b.gather is None and b.param.untyped_storage().nbytes() == 0:
+            b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
+            shard = self.param_shard[self._shard(b)].to(b.param.device, non_blocking=True)  # from the CPU, if offloaded
+            b.gather = comm.all_gather(b.param, shard, async_op=True)
+
+    def _free(self, b):
+        """Free bucket b's full parameters: the storage itself, which autograd's saved views share."""
+        b.param.untyped_storage().resize_(0)
+
+    def _use(self, b, order):
+        """Bucket b is about to run (forward or backward): have its parameters, and prefetch the next bucket's."""
+        if b not in order:
+            order.append(b)  # the first pass records the order; later passes prefetch by it
+        self._gather(b)
+        if b.gather is not None:
+            b.gather.wait()
+            b.gather = None
+        nxt = order.index(b) + 1
+        if nxt < len(order) and not self.args.no_prefetch:
+            self._gather(order[nxt])
+
+    def _after_forward(self, b, out):
+        """Free b's parameters; if backward will come, gather them again just before b's backward."""
+        self._free(b)
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
+    # [/ZeRO-3]
+
+    def _grad_ready(self, p):
+        """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
+        bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
+        b = self.bucket_of[p]
+        # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
+        if b.grad is None:
+            b.grad = torch.zeros_like(b.param)
+        # [/ZeRO-2]
+        b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
+        p.grad = None  # the bucket holds the only gradient
+        b.waiting -= 1
+        if b.waiting == 0:
+            # [ZeRO-3] the bucket's backward is done: free its full parameters
+            self._free(b)
+            # [/ZeRO-3]
+            # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
+            b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])
+            b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
+            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
+                self._release(self.in_flight.pop())
+            self.in_flight.append(b)
+            # [/ZeRO-2]
+
+    # [Offload] wait for the reduce-scatter; on the last micro-step copy the (summed) shard to the CPU on the copy stream
+    def _release(self, b):
+        """A bucket is reduced: on the last micro-step, send this rank's shard of it to the CPU on the copy stream
+        (summed with the earlier micro-steps' on the device); then free the bucket's full gradient."""
+        b.work.wait()
+        if b.acc is not None:
+            b.reduced += b.acc
+        if self.sync:
+            self.copies.copy(self.grad_shard[self._shard(b)], b.reduced)
+        b.acc = None if self.sync else b.reduced
+        b.grad = b.reduced = b.work = None
+    # [/Offload]
+
+    def forward(self, x, y):
+        return self.model(x, y)
+
+    def backward(self, loss, sync):
+        self.sync = sync
+        for b in self.buckets:  # every micro-step reduces
+            b.waiting = len(b.params)
+        loss.backward()
+        while self.in_flight:
+            self._release(self.in_flight.pop())
+        if sync:
+            self.grads_on_host = self.copies.event()  # fires when the last gradient shard has landed on the CPU
+
+    def step(self, lr):
+        # [Offload] wait for the gradients on the CPU; global norm; C++ AdamW there; parameters back (or later, delayed)
+        self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory
+        norm = torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32).square().to(self.device)
+        comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
+        norm = norm.sqrt()
+        coef = float(clip_coef(norm, self.args.grad_clip))
+        self.adam_step += 1
+        if not self.args.delayed_update:
+            self._cpu_update(self.grad_shard, self.adam_step, lr, coef, send=True)
+            self.grad_shard.zero_()
+            return norm
+        self._finish_update()  # step t-1's update, computed while this step ran, goes to the device now
+        self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
+        self.update = threading.Thread(target=self._cpu_update, args=(self.spare_grad_shard, self.adam_step, lr, coef))
+        self.update.start()  # step t's update runs on the CPU while the device computes step t+1
+        return norm
+    # [/Offload]
+
+    def _cpu_update(self, grad_shard, step, lr, coef, send=False):
+        """C++ AdamW over this rank's shard, one bucket's shard at a time, writing the updated low-precision parameters
+        into a staging buffer in the same pass; each chunk's copy to the device overlaps the next chunk's update."""
+        self.staging = torch.empty(grad_shard.shape, dtype=grad_shard.dtype, pin_memory=self.copies.cuda)
+        a = self.args
+        for b in self.buckets:
+            sh = self._shard(b)
+            grad = grad_shard[sh].float().mul_(coef)  # clipped, in fp32: a chunk-sized temporary
+            self.adam.adam_step(self.master[sh], grad, self.adam_m[sh], self.adam_v[sh], self.staging[sh],
+                                step, lr, a.beta1, a.beta2, 1e-8, a.weight_decay)
+            if send:
+                self.copies.copy(self.param_shard[sh], self.staging[sh])
+        if send:
+            self.copies.compute_waits(self.copies.event())  # the next forward gathers the new parameters
+            self.staging = None  # (pinned memory is not reused before the copies that read it are done)
+        else:
+            grad_shard.zero_()
+
+    def _finish_update(self):
+        """Wait for the update running in the background, and send its parameters to the device."""
+        if self.update is not None:
+            self.update.join()
+            self.update = None
+            self.copies.copy(self.param_shard, self.staging)
+            self.copies.compute_waits(self.copies.event())
+            self.staging = None
+
+    def model_states(self):
+        return {"params": [self.param_shard], "grads": [self.grad_shard] + [self.spare_grad_shard] * self.args.delayed_update,
+                "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
+
+    def master_state_dict(self):
+        self._finish_update()
+        full = {b: torch.empty(b.end - b.start, device=self.device) for b in self.buckets}
+        for b in self.buckets:  # a collective, outside the training steps
+            comm.all_gather(full[b], self.master[self._shard(b)].to(self.device))
+        return {name: full[self.bucket_of[p]][self.offset[p]:self.offset[p] + p.numel()].view_as(p).clone()
+                for name, p in self.model.named_parameters()}
+
+
+if __name__ == "__main__":
+    main(OffloadEngine, stage="offload")
