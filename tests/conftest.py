@@ -48,10 +48,9 @@ class Runner:
         self.tmp, self.cache, self.help = tmp, {}, {}
 
     def options(self, script):
-        """The script's command-line options, to pass stage-specific ones only where they exist."""
+        """The script's source, to pass stage-specific options (such as --bucket_mb) only where they exist."""
         if script not in self.help:
-            self.help[script] = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
-                                               cwd=ROOT, env=self.env()).stdout
+            self.help[script] = Path(script).read_text()
         return self.help[script]
 
     def env(self):

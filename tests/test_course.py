@@ -11,25 +11,34 @@ sys.path.insert(0, str(ROOT / "course"))
 from make_exercise import make_exercise, tags_in  # noqa: E402
 
 
-def grade(path, tmp_path, select):
-    """Run the stage tests against `path`, as a teacher would; return pytest's output."""
-    cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_stages.py"), "--stage", str(path), "-x", "-q",
-           "-p", "no:cacheprovider", "-k", select, "--basetemp", str(tmp_path / "pytest")]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+def grade(paths, tmp_path, select):
+    """Run the stage tests against `paths`, as a teacher would; return pytest's exit code and output."""
+    stages = [arg for path in paths for arg in ("--stage", str(path))]
+    cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_stages.py"), *stages, "-q", "-p", "no:cacheprovider",
+           "-k", select, "--basetemp", str(tmp_path / "pytest")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     return p.returncode, p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_exercise_imports_and_fails_with_its_todo(stage, tmp_path):
-    source = (ROOT / stage).read_text()
-    tag = tags_in(source)[-1]
-    exercise = tmp_path / stage
-    exercise.write_text(make_exercise(source, [tag]))
-    assert f"# [{tag}]" not in exercise.read_text() and f"TODO [{tag}]" in exercise.read_text()
-    compile(exercise.read_text(), str(exercise), "exec")  # it still parses, signatures kept
-    code, out = grade(exercise, tmp_path, "model_state and 2")
-    assert code != 0, f"the {stage} exercise passed the suite: the blanked idea is not tested\n{out[-2000:]}"
-    assert f"NotImplementedError: TODO [{tag}]" in out, f"the failure does not say what is missing:\n{out[-2000:]}"
+def test_exercises_import_and_fail_with_their_todo(tmp_path):
+    """One grading session over every stage's exercise (as a teacher would grade a class): each fails, naming its TODO."""
+    exercises, tags = [], {}
+    for stage in STAGES:
+        source = (ROOT / stage).read_text()
+        tag = tags_in(source)[-1]
+        exercise = tmp_path / "exercises" / stage
+        exercise.parent.mkdir(exist_ok=True)
+        exercise.write_text(make_exercise(source, [tag]))
+        assert f"# [{tag}]" not in exercise.read_text() and f"TODO [{tag}]" in exercise.read_text()
+        compile(exercise.read_text(), str(exercise), "exec")  # it still parses, signatures kept
+        exercises.append(exercise)
+        tags[exercise.stem] = tag
+    code, out = grade(exercises, tmp_path, "model_state and 2")
+    assert code != 0, f"the exercises passed the suite: the blanked ideas are not tested\n{out[-3000:]}"
+    for stem, tag in tags.items():
+        assert f"test_model_state_bytes_match_formula[{stem}-2]" in out, f"{stem} was not graded:\n{out[-3000:]}"
+        assert f"NotImplementedError: TODO [{tag}]" in out, f"the {stem} failure does not name its TODO:\n{out[-3000:]}"
+    assert "passed" not in out.splitlines()[-1], f"an exercise passed a check:\n{out[-3000:]}"
 
 
 def broken(tmp_path, stage, old, new):
@@ -40,14 +49,11 @@ def broken(tmp_path, stage, old, new):
     return path
 
 
-def test_summing_instead_of_averaging_is_named(tmp_path):
-    path = broken(tmp_path, "stage0_ddp.py", "comm.all_reduce(b.grad, async_op=True)",
-                  "comm.all_reduce(b.grad, op=dist.ReduceOp.SUM, async_op=True)")
-    code, out = grade(path, tmp_path, "parity and 2")
-    assert code != 0 and "summed over the ranks, not averaged" in out, out[-2000:]
-
-
-def test_full_gradient_kept_after_backward_is_named(tmp_path):
-    path = broken(tmp_path, "stage2.py", "b.grad = b.reduced = b.work = None", "b.reduced = b.work = None")
-    code, out = grade(path, tmp_path, "freed and 2")
-    assert code != 0 and "memory of the full gradient" in out, out[-2000:]
+def test_common_mistakes_are_named(tmp_path):
+    """Summing instead of averaging (stage 0), and keeping the full gradient after backward (stage 2)."""
+    summed = broken(tmp_path, "stage0_ddp.py", "comm.all_reduce(b.grad, async_op=True)",
+                    "comm.all_reduce(b.grad, op=dist.ReduceOp.SUM, async_op=True)")
+    kept = broken(tmp_path, "stage2.py", "b.grad = b.reduced = b.work = None", "b.reduced = b.work = None")
+    code, out = grade([summed, kept], tmp_path, "(parity and broken_stage0 and 2) or (freed and broken_stage2 and 2)")
+    assert code != 0 and "summed over the ranks, not averaged" in out, out[-3000:]
+    assert "memory of the full gradient" in out, out[-3000:]
