@@ -40,12 +40,13 @@ class ZeRO2Engine:
 
     @staticmethod
     def add_args(parser):
-        parser.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, MB")
+        parser.add_argument("--bucket_mb", type=float, default=4.0, help="gradient bucket size, MB")
 
     def __init__(self, model, args, device):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         params = list(model.parameters())[::-1]  # backward meets the last layers first: their bucket fills first
+        # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
         self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
         for p in params:
