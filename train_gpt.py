@@ -15,7 +15,7 @@ and `padded_numel`, the parameter count its partitioning pads to (Ψ').
 The recipe (ZeRO paper, section 3): parameters and gradients in --dtype (2 + 2 bytes each in bf16), an fp32
 master copy and fp32 AdamW moments in the optimizer (K = 12 bytes): 16Ψ bytes for Ψ parameters.
 """
-import argparse, contextlib, gc, json, math, os, socket, sys, time, warnings
+import argparse, contextlib, gc, json, math, os, re, socket, sys, time, warnings
 from collections import defaultdict
 from dataclasses import dataclass, fields
 
@@ -109,9 +109,9 @@ class GPT(nn.Module):
 # Data: real text, offline. The default corpus ships with every CPython (the text of its pydoc topics).
 
 def load_text(path):
-    if path is None:
+    if path is None:  # runs of spaces (its indented grammar and tables) collapsed, so samples read as prose
         from pydoc_data.topics import topics
-        return "\n\n".join(topics[k] for k in sorted(topics))
+        return re.sub(" {2,}", " ", "\n\n".join(topics[k] for k in sorted(topics)))
     if not os.path.isfile(path):
         raise SystemExit(f"error: --data {path}: no such file; pass a UTF-8 text file, or omit --data for the built-in corpus")
     with open(path, encoding="utf-8") as f:
