@@ -20,7 +20,7 @@ stale, and a second host gradient shard (2Ψ/N) so that step t+1 has somewhere t
 Without CUDA the "device" is the CPU: the copy stream and events do nothing and copies are plain, but the
 algorithm, the buffers and the ledgers are the same, so the tests on a CPU cover them.
 
-Run:
+Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
     torchrun --standalone --nproc_per_node 1 offload.py --preset gpt2-large --offload_params    # one GPU, 774M
     python offload.py --delayed_update
