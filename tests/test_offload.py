@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from test_stages import MODEL, TRAIN, compare_params, first_difference, LOSS_ATOL
+from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference  # noqa: F401
 
 OFFLOAD = str(ROOT / "offload.py")
 
@@ -29,11 +29,6 @@ class DelayedReference(SingleDeviceEngine):
 
 main(DelayedReference, stage="reference", distributed=False)
 '''
-
-
-@pytest.fixture(scope="session")
-def reference(runner):
-    return runner.run(str(ROOT / "train_gpt.py"), None, *MODEL, *TRAIN)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
