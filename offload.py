@@ -326,13 +326,22 @@ class OffloadEngine:
         return {"params": [self.param_shard], "grads": [self.grad_shard] + [self.spare_grad_shard] * self.args.delayed_update,
                 "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
 
-    def master_state_dict(self):
-        self._finish_update()
-        full = {b: torch.empty(b.end - b.start, device=self.device) for b in self.buckets}
-        for b in self.buckets:  # a collective, outside the training steps
-            comm.all_gather(full[b], self.master[self._shard(b)].to(self.device))
-        return {name: full[self.bucket_of[p]][self.offset[p]:self.offset[p] + p.numel()].view_as(p).clone()
-                for name, p in self.model.named_parameters()}
+    def state_pieces(self):
+        """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
+        self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)
+        state, pieces = (self.master, self.adam_m, self.adam_v), []
+        for name, p in self.model.named_parameters():
+            b, s = self.bucket_of[p], (self.bucket_of[p].end - self.bucket_of[p].start) // self.world_size
+            lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
+            if lo < hi:  # p overlaps this rank's shard of its bucket
+                at = b.start // self.world_size + lo - self.rank * s
+                pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
+        return pieces
+
+    def resume(self, step):
+        """A checkpoint has filled this rank's master shard and moments: count its steps, cast it into its parameters."""
+        self.adam_step = step
+        self.param_shard.copy_(self.master)
 
 
 if __name__ == "__main__":

@@ -110,9 +110,19 @@ class DDPEngine:
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
                 "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    def master_state_dict(self):
-        start = {p: self.bucket_of[p].start + self.offset[p] for p in self.bucket_of}
-        return {name: self.master[start[p]:start[p] + p.numel()].view_as(p).clone() for name, p in self.model.named_parameters()}
+    def state_pieces(self):
+        """The training state this rank holds (all of it, here), as (name, [lo, hi) of its elements, its state's views)."""
+        state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
+        for name, p in self.model.named_parameters():
+            at = self.bucket_of[p].start + self.offset[p]
+            pieces.append((name, 0, p.numel(), [t[at:at + p.numel()] for t in state]))
+        return pieces
+
+    def resume(self, step):
+        """A checkpoint has filled the master weights and moments: count its steps, and cast it into the model."""
+        self.optimizer.t = step
+        for b in self.buckets:
+            b.param.copy_(self.master[b.start:b.end])
 
 
 if __name__ == "__main__":

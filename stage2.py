@@ -149,12 +149,22 @@ class ZeRO2Engine:
         return {"params": [b.param for b in self.buckets], "grads": [self.grad_shard], "master": [self.master],
                 "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    def master_state_dict(self):
-        full = {b: torch.empty(b.end - b.start, device=self.master.device) for b in self.buckets}
-        for b in self.buckets:  # a collective, outside the training steps
-            comm.all_gather(full[b], self.master[self._shard(b)])
-        return {name: full[self.bucket_of[p]][self.offset[p]:self.offset[p] + p.numel()].view_as(p).clone()
-                for name, p in self.model.named_parameters()}
+    def state_pieces(self):
+        """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
+        state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
+        for name, p in self.model.named_parameters():
+            b, s = self.bucket_of[p], (self.bucket_of[p].end - self.bucket_of[p].start) // self.world_size
+            lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
+            if lo < hi:  # p overlaps this rank's shard of its bucket
+                at = b.start // self.world_size + lo - self.rank * s
+                pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
+        return pieces
+
+    def resume(self, step):
+        """A checkpoint has filled this rank's master shard and moments: count its steps, gather it into the model."""
+        self.optimizer.t = step
+        for b in self.buckets:
+            comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,19 @@ measure each stage against the ZeRO paper's memory model. Run alone, it is the s
 Every stage file (stage0_ddp.py ... offload.py) imports this file's GPT, data and `main` loop, and brings
 only its Engine: the class that holds this rank's model states and moves them. An Engine has
     forward(x, y) -> loss          backward(loss, sync)           step(lr) -> global grad norm
-    model_states() -> {category: [tensors]}   master_state_dict() -> {name: fp32 tensor} (collective)
+    model_states() -> {category: [tensors]}    state_pieces() -> [(name, lo, hi, [master, m, v views])]
+    resume(step)   (a checkpoint has filled the pieces: count the steps, send the weights to the model)
 and `padded_numel`, the parameter count its partitioning pads to (Ψ').
+
+Checkpoints (any stage, any world size; see "Checkpoints" below):
+    torchrun --standalone --nproc_per_node 4 stage3.py --steps 300 --save_every 50 --ckpt_dir runs/ck
+    torchrun --standalone --nproc_per_node 2 stage1.py --steps 300 --resume runs/ck
+    python train_gpt.py --consolidate runs/ck gpt.pt  &&  python train_gpt.py --sample gpt.pt
 
 The recipe (ZeRO paper, section 3): parameters and gradients in --dtype (2 + 2 bytes each in bf16), an fp32
 master copy and fp32 AdamW moments in the optimizer (K = 12 bytes): 16Ψ bytes for Ψ parameters.
 """
-import argparse, contextlib, gc, json, math, os, re, socket, sys, time, warnings
+import argparse, contextlib, gc, glob, hashlib, json, math, os, re, shutil, socket, sys, time, warnings
 from collections import defaultdict
 from dataclasses import dataclass, fields
 
@@ -314,9 +320,188 @@ class SingleDeviceEngine:
         return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None], "master": self.master,
                 "adam_m": [o.exp_avg for o in self.optimizers], "adam_v": [o.exp_avg_sq for o in self.optimizers]}
 
-    def master_state_dict(self):
-        names = [n for n, _ in self.model.named_parameters()]
-        return {n: m.detach().clone() for n, m in zip(names, self.master)}
+    def state_pieces(self):
+        return [(name, 0, p.numel(), [m.view(-1), o.exp_avg.view(-1), o.exp_avg_sq.view(-1)])
+                for (name, p), m, o in zip(self.model.named_parameters(), self.master, self.optimizers)]
+
+    def resume(self, step):
+        for o in self.optimizers:
+            o.t = step
+        for p, m in zip(self.params, self.master):
+            p.data.copy_(m)
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints that any stage at any world size can resume. An engine lists the training state it holds as pieces:
+#     (parameter name, [lo, hi) of that parameter's flattened elements, [views of fp32 master, Adam m, Adam v])
+# Each rank saves its pieces; as they name parameters, not ranks or buckets, a rank of another stage or world size
+# takes the overlaps of the pieces it needs with the pieces saved (DeepSpeed's "universal checkpoint" idea).
+# Files are written atomically (temporary file, fsync, rename); rank 0 writes the manifest last, after every shard
+# is on disk, and a checkpoint without its manifest does not exist: a crash mid-save leaves the previous one whole.
+
+STATE = ("master", "exp_avg", "exp_avg_sq")  # the K = 12 bytes per parameter, what a checkpoint must not lose
+KEEP = 2  # complete checkpoints kept: the newest, and one before it in case the newest is damaged
+
+def everyone(obj):
+    """obj from every rank, in rank order (a world of one needs no process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+def agree(error):
+    """Stop every rank with the first rank's error, if any rank has one (a lone exit would hang the others)."""
+    errors = [e for e in everyone(error) if e]
+    if errors:
+        raise SystemExit(errors[0])
+
+def atomic_write(path, write):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    os.replace(tmp, path)
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the renames themselves are on disk
+    finally:
+        os.close(fd)
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+def save_checkpoint(ckpt_dir, engine, step, meta):
+    """Every rank writes its shard of the state after `step` optimizer steps; rank 0 then writes the manifest."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    where = os.path.join(ckpt_dir, f"step_{step:06d}")
+    os.makedirs(where, exist_ok=True)
+    pieces = engine.state_pieces()
+    held_below = {key for keys in everyone([tuple(p[:3]) for p in pieces])[:rank] for key in keys}
+    pieces = [p for p in pieces if tuple(p[:3]) not in held_below]  # replicated state (stage 0) is written once
+    shard = {"step": step, "rank": rank, "world_size": world_size, "pieces": [tuple(p[:3]) for p in pieces],
+             "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    for i, k in enumerate(STATE):
+        shard[k] = torch.cat([p[3][i].detach().cpu() for p in pieces]) if pieces else torch.zeros(0)
+    name = f"shard_{rank:05d}_of_{world_size:05d}.pt"
+    atomic_write(os.path.join(where, name), lambda f: torch.save(shard, f))
+    shards = everyone({"file": name, "bytes": os.path.getsize(os.path.join(where, name)), "sha256": sha256(os.path.join(where, name))})
+    if rank == 0:
+        fsync_dir(where)
+        manifest = dict(format=1, step=step, world_size=world_size, shards=shards, **meta)
+        atomic_write(os.path.join(where, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        fsync_dir(where)
+        for old in complete_checkpoints(ckpt_dir)[:-KEEP]:  # only now that this one is complete
+            shutil.rmtree(old, ignore_errors=True)
+    return where
+
+def complete_checkpoints(ckpt_dir):
+    """The step directories under ckpt_dir that have a manifest, oldest first."""
+    found = sorted(glob.glob(os.path.join(glob.escape(ckpt_dir), "step_*", "manifest.json")))
+    return [os.path.dirname(m) for m in found]
+
+def open_checkpoint(path, cfg, chars, part=(0, 1)):
+    """The manifest of the checkpoint at `path` (a step directory, or the newest complete one under it), checked
+    against this run's model and data, and its shards (this rank's `part` of them) against their sizes and hashes."""
+    where = path if os.path.isfile(os.path.join(path, "manifest.json")) else (complete_checkpoints(path) or [None])[-1]
+    if where is None:
+        raise SystemExit(f"error: --resume {path}: no complete checkpoint there (a checkpoint is complete once its "
+                         f"manifest.json is written); check the path, or start without --resume")
+    try:
+        with open(os.path.join(where, "manifest.json")) as f:
+            manifest = json.load(f)
+        shards = manifest["shards"]
+        assert manifest["format"] == 1 and len(shards) == manifest["world_size"]
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise SystemExit(f"error: {where}/manifest.json is not a checkpoint manifest of this program ({type(e).__name__}); "
+                         f"resume from another step directory") from None
+    if cfg is not None and manifest["config"] != vars(cfg):
+        diff = ", ".join(f"{k} {v} (this run: {vars(cfg)[k]})" for k, v in manifest["config"].items() if vars(cfg).get(k) != v)
+        raise SystemExit(f"error: {where} holds a different GPT: {diff}; pass the --preset and overrides it was trained with")
+    if chars is not None and manifest["chars"] != "".join(chars):
+        raise SystemExit(f"error: {where} was trained on another text (its vocabulary differs); pass the --data it was trained with")
+    for i in range(len(shards))[part[0]::part[1]]:
+        file, problem = os.path.join(where, shards[i]["file"]), None
+        if not os.path.isfile(file):
+            problem = "is missing"
+        elif os.path.getsize(file) != shards[i]["bytes"]:
+            problem = f"is truncated or damaged: {os.path.getsize(file)} bytes, the manifest says {shards[i]['bytes']}"
+        elif sha256(file) != shards[i]["sha256"]:
+            problem = "is corrupt: its sha256 differs from the manifest's"
+        if problem:
+            older = [c for c in complete_checkpoints(os.path.dirname(where)) if c < where]
+            hint = f"resume from an earlier checkpoint: --resume {older[-1]}" if older else "no earlier checkpoint to resume from"
+            raise SystemExit(f"error: checkpoint {where}: {shards[i]['file']} {problem}; {hint}")
+    return where, manifest
+
+def load_checkpoint(where, manifest, engine):
+    """Fill this rank's pieces from the saved ones, whatever stage and world size saved them; return the step."""
+    wanted = defaultdict(list)
+    for name, lo, hi, views in engine.state_pieces():
+        wanted[name].append((lo, hi, views))
+    need, found = sum(hi - lo for w in wanted.values() for lo, hi, _ in w), 0
+    for s in manifest["shards"]:
+        shard = torch.load(os.path.join(where, s["file"]), mmap=True, weights_only=True)  # reads only what is copied
+        at = 0
+        for name, lo, hi in shard["pieces"]:
+            for want_lo, want_hi, views in wanted.get(name, ()):
+                a, b = max(lo, want_lo), min(hi, want_hi)
+                if a < b:
+                    for k, view in zip(STATE, views):
+                        view[a - want_lo:b - want_lo].copy_(shard[k][at + a - lo:at + b - lo])
+                    found += b - a
+            at += hi - lo
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    agree(None if found == need else f"error: checkpoint {where}: its shards hold {found} of the {need} elements rank "
+                                     f"{rank} needs; the shards do not match the manifest, resume from another checkpoint")
+    if manifest["world_size"] > rank:  # the same rank's random state, where there is one (the training uses none)
+        shard = torch.load(os.path.join(where, manifest["shards"][rank]["file"]), mmap=True, weights_only=True)
+        torch.set_rng_state(shard["rng"])
+    engine.resume(manifest["step"])
+    return manifest["step"]
+
+def gather_master(engine):
+    """The full fp32 master weights {name: tensor}, on rank 0 (None elsewhere): a collective over every rank."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = [(name, lo, hi, views[0].detach().cpu()) for name, lo, hi, views in engine.state_pieces()]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
+    else:
+        every = [mine]
+    if rank != 0:
+        return None
+    shapes = dict(engine.model.named_parameters())
+    full = {name: torch.empty(p.numel()) for name, p in shapes.items()}
+    for pieces in every:
+        for name, lo, hi, values in pieces:
+            full[name][lo:hi] = values
+    return {name: t.view_as(shapes[name]) for name, t in full.items()}
+
+def consolidate(path, out):
+    """A sharded checkpoint -> one file with the GPT's fp32 weights, config and vocabulary (zero_to_fp32.py's job)."""
+    where, manifest = open_checkpoint(path, None, None)
+    full = {}
+    for s in manifest["shards"]:
+        shard = torch.load(os.path.join(where, s["file"]), weights_only=True)
+        at = 0
+        for name, lo, hi in shard["pieces"]:
+            full.setdefault(name, {})[lo] = shard["master"][at:at + hi - lo]
+            at += hi - lo
+    state = {name: torch.cat([parts[lo] for lo in sorted(parts)]) for name, parts in full.items()}
+    for name, shape in manifest["params"].items():
+        if name not in state or state[name].numel() != math.prod(shape):
+            raise SystemExit(f"error: checkpoint {where}: its shards do not hold all of {name}; the shards do not match the manifest")
+        state[name] = state[name].view(shape)
+    atomic_write(out, lambda f: torch.save({"config": manifest["config"], "chars": manifest["chars"], "step": manifest["step"],
+                                            "state_dict": state}, f))
+    print(f"wrote {out}: {sum(t.numel() for t in state.values()):,} fp32 parameters after step {manifest['step']} of {where}")
 
 # ----------------------------------------------------------------------------------------------------------
 # Set-up, with every bad input refused before any work starts.
@@ -346,6 +531,15 @@ def parse_args(Engine):
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--save_master", default=None, help="write the final fp32 parameters here (torch.save, rank 0)")
     p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--ckpt_dir", default=None, help="save checkpoints here: every --save_every steps and at the end")
+    p.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--stop_after", type=int, default=None, help="stop after this step, as if interrupted; the "
+                   "schedule still follows --steps")
+    p.add_argument("--resume", default=None, metavar="DIR", help="continue from the newest complete checkpoint in DIR "
+                   "(or from DIR itself, a step_* directory); any stage, any world size")
+    p.add_argument("--consolidate", nargs=2, default=None, metavar=("DIR", "OUT"), help="write the checkpoint's "
+                   "fp32 weights to one file OUT, then exit")
+    p.add_argument("--sample", default=None, metavar="FILE", help="print text from a consolidated file, then exit")
     if hasattr(Engine, "add_args"):
         Engine.add_args(p)
     return p.parse_args()
@@ -378,6 +572,19 @@ def check_args(args, world_size):
                          f"--grad_accum {args.grad_accum}; use a multiple of {world_size * args.grad_accum}")
     if min(args.steps, args.batch_size, args.grad_accum) < 1:
         raise SystemExit("error: --steps, --batch_size and --grad_accum must be at least 1")
+    if args.save_every < 0 or (args.stop_after is not None and args.stop_after < 1):
+        raise SystemExit("error: --save_every must be 0 or more and --stop_after at least 1")
+    if args.save_every and not args.ckpt_dir:
+        raise SystemExit("error: --save_every needs --ckpt_dir DIR, the directory to save into")
+
+def sample_text(cfg, state_dict, chars, device, args):
+    """Text generated by the GPT with these fp32 weights, starting from a newline."""
+    model = GPT(cfg).to(device)
+    model.load_state_dict({**state_dict, "lm_head.weight": state_dict["wte.weight"]})  # the tied head
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    start = torch.full((1, 1), chars.index("\n") if "\n" in chars else 0, dtype=torch.long, device=device)
+    out = model.generate(start, args.sample_chars, generator=g)[0].tolist()
+    return "--- sample ---\n" + "".join(chars[i] for i in out if i < len(chars)) + "\n--------------"
 
 def lr_at(step, args):
     """Linear warmup, then cosine decay to min_lr at the last step."""
@@ -392,6 +599,12 @@ def lr_at(step, args):
 def main(Engine, stage, distributed=True, formula=None):
     """Train with `Engine`; `stage` names the run, `formula` the stage whose memory model applies (default: stage)."""
     args = parse_args(Engine)
+    if args.consolidate:
+        return consolidate(*args.consolidate)
+    if args.sample:
+        saved = torch.load(args.sample, weights_only=True)
+        print(sample_text(GPTConfig(**saved["config"]), saved["state_dict"], saved["chars"], pick_device(args.device, 0), args))
+        return
     n_layer, n_head, n_embd, block_size, vocab_size = PRESETS[args.preset]
     cfg = GPTConfig(block_size, vocab_size, n_layer, n_head, n_embd)
     for f in fields(GPTConfig):
@@ -408,6 +621,23 @@ def main(Engine, stage, distributed=True, formula=None):
     cfg.vocab_size = max(cfg.vocab_size, len(data.chars))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     param_bytes = torch.finfo(dtype).bits // 8
+    where, manifest, error = None, None, None
+    if args.resume:  # before any work: the checkpoint must fit this model and data, and its shards must be whole
+        try:  # each rank checks its share of the shards' hashes
+            where, manifest = open_checkpoint(args.resume, cfg, data.chars, part=(rank, world_size))
+        except SystemExit as e:
+            error = str(e)
+        agree(error)
+    start, end = manifest["step"] if manifest else 0, min(args.steps, args.stop_after or args.steps)
+    if start >= end:
+        raise SystemExit(f"error: {where} is at step {start}, and this run ends at step {end}; raise --steps or --stop_after")
+    ckpt_dir = args.ckpt_dir or (where and os.path.dirname(where))
+    if ckpt_dir:  # never overwrite another run's checkpoints, nor this run's later ones
+        same = where is not None and os.path.realpath(os.path.dirname(where)) == os.path.realpath(ckpt_dir)
+        clash = [c for c in complete_checkpoints(ckpt_dir) if not same or int(os.path.basename(c)[5:]) > start]
+        if clash:
+            raise SystemExit(f"error: --ckpt_dir {ckpt_dir} already holds checkpoints this run would overwrite or mix "
+                             f"with (newest: {clash[-1]}); resume from them with --resume {clash[-1]}, or choose an empty directory")
 
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
     model = GPT(cfg).to(device=device, dtype=dtype)
@@ -422,10 +652,15 @@ def main(Engine, stage, distributed=True, formula=None):
               f"unigram loss {data.unigram_loss:.3f}", flush=True)
 
     micro = args.batch_size // (world_size * args.grad_accum)
-    measure_step = min(1, args.steps - 1)  # step 0 creates Adam's moments; step 1 is the steady state
     losses, grad_norms, val_losses, step_times = [], [], [], []
+    if manifest:
+        start = load_checkpoint(where, manifest, engine)
+        losses, grad_norms, val_losses = manifest["losses"], manifest["grad_norms"], [tuple(v) for v in manifest["val_losses"]]
+        if rank == 0:
+            print(f"{stage}: resumed from {where} (saved by {manifest['stage']} on {manifest['world_size']} rank(s)) at step {start}")
+    measure_step = start if start else min(1, end - 1)  # step 0 creates Adam's moments; step 1 is the steady state
     comm_sent, peak = {}, 0
-    bar = range(args.steps)
+    bar = range(start, end)
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(bar, dynamic_ncols=True)
@@ -475,13 +710,18 @@ def main(Engine, stage, distributed=True, formula=None):
         if rank == 0 and hasattr(bar, "set_postfix"):
             tok_s = args.batch_size * cfg.block_size / step_times[-1] if step_times else 0
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB")
+        if ckpt_dir and (step + 1 == end or args.save_every and (step + 1) % args.save_every == 0):
+            save_checkpoint(ckpt_dir, engine, step + 1, dict(
+                stage=stage, config=vars(cfg), chars="".join(data.chars), losses=losses, grad_norms=grad_norms,
+                val_losses=val_losses, params={n: list(p.shape) for n, p in model.named_parameters()}))
 
     per_rank = [None] * world_size
     if distributed:
         dist.all_gather_object(per_rank, states)
     else:
         per_rank = [states]
-    master = engine.master_state_dict()  # a collective: every rank takes part
+    stopped = end < args.steps
+    master = gather_master(engine) if args.save_master or (args.sample_chars and not stopped) else None  # collective
     timed = sorted(step_times[1:] or step_times)  # the first step warms up
     tokens_per_s = args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0
     if rank == 0:
@@ -489,7 +729,8 @@ def main(Engine, stage, distributed=True, formula=None):
             bar.close()
         summary = dict(stage=stage, world_size=world_size, n_params=n_params, padded_numel=engine.padded_numel,
                        dtype=args.dtype, device=device.type, config=vars(cfg), args=vars(args),
-                       losses=losses, grad_norms=grad_norms, val_losses=val_losses, val_loss=val_losses[-1][1],
+                       losses=losses, grad_norms=grad_norms, val_losses=val_losses,
+                       val_loss=val_losses[-1][1] if val_losses else None, steps_done=end, resumed_from=start,
                        unigram_loss=data.unigram_loss, tokens_per_s=tokens_per_s, peak_memory_bytes=peak,
                        other_tensor_bytes=other["live"] - sum(states.values()) - storage_bytes([data.train, data.val]),
                        model_state_bytes={k: {"measured": states.get(k, 0), "theory": theory[k],
@@ -498,7 +739,8 @@ def main(Engine, stage, distributed=True, formula=None):
                        comm_bytes_per_step={"measured": sum(comm_sent.values()), "theory": sum(comm_th.values()),
                                             "by_collective": {k: {"measured": comm_sent.get(k, 0.0), "theory": comm_th.get(k, 0.0)}
                                                               for k in sorted(set(comm_sent) | set(comm_th))}})
-        print(f"{stage}: val loss {summary['val_loss']:.4f} (unigram {data.unigram_loss:.3f}), {tokens_per_s:,.0f} tokens/s, "
+        val = f"{summary['val_loss']:.4f}" if val_losses else "-"
+        print(f"{stage}: val loss {val} (unigram {data.unigram_loss:.3f}), {tokens_per_s:,.0f} tokens/s, "
               f"peak {peak / 2**20:.1f} MiB, model states {sum(states.values()) / 2**20:.2f} MiB "
               f"(theory {sum(theory.values()) / 2**20:.2f}), sent {sum(comm_sent.values()) / 2**20:.2f} MiB/step "
               f"(theory {sum(comm_th.values()) / 2**20:.2f})")
@@ -507,13 +749,11 @@ def main(Engine, stage, distributed=True, formula=None):
                 json.dump(summary, f, indent=1)
         if args.save_master:
             torch.save(master, args.save_master)
-        if args.sample_chars:
-            sampler = GPT(cfg).to(device)
-            sampler.load_state_dict({**master, "lm_head.weight": master["wte.weight"]})  # the tied head
-            g = torch.Generator(device=device).manual_seed(args.seed)
-            out = sampler.generate(torch.zeros((1, 1), dtype=torch.long, device=device) + data.stoi.get("\n", 0),
-                                   args.sample_chars, generator=g)
-            print("--- sample ---\n" + data.decode(out[0].tolist()) + "\n--------------")
+        if stopped:
+            print(f"{stage}: stopped after step {end} of {args.steps} (--stop_after)"
+                  + (f"; continue with --resume {ckpt_dir}" if ckpt_dir else ""))
+        elif args.sample_chars:
+            print(sample_text(cfg, master, data.chars, device, args))
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -131,10 +131,6 @@ class DDPPeer:
         return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None],
                 "master": [self.master], "adam_m": m, "adam_v": v}
 
-    def master_state_dict(self):
-        index = {p: i for i, p in enumerate(self.params)}
-        return {n: self.master_views[index[p]].clone() for n, p in self.model.named_parameters()}
-
 
 class ZeroRedundancyPeer(DDPPeer):
     """DDP (bf16) + ZeroRedundancyOptimizer(AdamW) over fp32 master copies of each parameter; global-norm clipping on
@@ -226,10 +222,6 @@ class FSDP2Peer:
         return {"params": [], "grads": [p.grad.to_local() for p in self.params if p.grad is not None],
                 "master": [p.to_local() for p in self.params],
                 "adam_m": [s["exp_avg"].to_local() for s in st], "adam_v": [s["exp_avg_sq"].to_local() for s in st]}
-
-    def master_state_dict(self):
-        self._reshard()
-        return {n: p.full_tensor().float().clone() for n, p in self.model.named_parameters()}  # collective
 
 
 class FSDP2ReshardPeer(FSDP2Peer):
