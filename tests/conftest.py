@@ -78,6 +78,11 @@ class Runner:
             pytest.fail(self.cache[key], pytrace=False)
         return self.cache[key]
 
+    def launch(self, script, nproc, *args, env=None):
+        """Run once, uncached and unchecked (for runs meant to fail); return the finished process."""
+        cmd = self.command(script, nproc, list(args))
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**self.env(), **(env or {})}, timeout=900)
+
 
 @pytest.fixture(scope="session")
 def runner(tmp_path_factory):

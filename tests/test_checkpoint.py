@@ -1,0 +1,187 @@
+"""Checkpoints lose nothing: a run stopped and resumed equals the run that never stopped, bit for bit, at every stage;
+a checkpoint saved by stage 3 on 4 ranks continues under stage 1 on 2; a rank killed mid-step or mid-save costs only
+the steps since the last complete checkpoint; damaged or mismatched checkpoints are refused with a one-line error."""
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference, train  # noqa: F401
+from train_gpt import GPTConfig, CharData, load_text, open_checkpoint
+
+STOP = ["--stop_after", "3"]  # TRAIN has 6 steps: stop after 3, resume for the other 3
+
+
+def bucket_args(runner, stage_file):
+    return ["--bucket_mb", "0.02"] if "--bucket_mb" in runner.options(stage_file) else []
+
+
+def assert_same_run(expected, got, where):
+    """Bit for bit: the same losses, gradient norms, validation losses and final parameters."""
+    for key in ("losses", "grad_norms", "val_losses"):
+        e, g = expected.summary[key], got.summary[key]
+        assert e == g, f"{where}: {key} differ from the uninterrupted run's:\n  expected {e}\n  got      {g}"
+    for name, e in expected.master.items():
+        assert torch.equal(e, got.master[name]), f"{where}: parameter {name} differs from the uninterrupted run's " \
+                                                 f"(max |diff| {(e - got.master[name]).abs().max():.3g})"
+
+
+def test_stop_and_resume_is_exact(runner, stage_file, tmp_path):
+    straight = train(runner, stage_file, 2)
+    ckpt = str(tmp_path / "ckpt")
+    stopped = runner.run(stage_file, 2, *MODEL, *TRAIN, *bucket_args(runner, stage_file), *STOP, "--ckpt_dir", ckpt)
+    assert len(stopped.summary["losses"]) == 3 and (tmp_path / "ckpt" / "step_000003" / "manifest.json").exists()
+    resumed = runner.run(stage_file, 2, *MODEL, *TRAIN, *bucket_args(runner, stage_file), "--resume", ckpt)
+    assert "resumed from" in resumed.stdout and resumed.summary["resumed_from"] == 3
+    assert_same_run(straight, resumed, f"{Path(stage_file).stem}, stopped after step 3 and resumed")
+
+
+def test_reference_stop_and_resume_is_exact(runner, reference, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    runner.run(str(ROOT / "train_gpt.py"), None, *MODEL, *TRAIN, *STOP, "--ckpt_dir", ckpt)
+    resumed = runner.run(str(ROOT / "train_gpt.py"), None, *MODEL, *TRAIN, "--resume", ckpt)
+    assert_same_run(reference, resumed, "train_gpt.py, stopped after step 3 and resumed")
+
+
+@pytest.fixture(scope="module")
+def stage3_on_4(runner, tmp_path_factory):
+    """A checkpoint saved by stage 3 on 4 ranks after 3 of 6 steps, and its run."""
+    ckpt = tmp_path_factory.mktemp("stage3_on_4") / "ckpt"
+    run = runner.run(str(ROOT / "stage3.py"), 4, *MODEL, *TRAIN, *STOP, "--ckpt_dir", str(ckpt))
+    return ckpt, run
+
+
+def test_resume_at_another_stage_and_world_size(runner, reference, stage3_on_4, tmp_path):
+    """Saved by stage 3 on 4 ranks, continued by stage 1 on 2: the loss curve continues the reference's."""
+    ckpt, _ = stage3_on_4
+    run = runner.run(str(ROOT / "stage1.py"), 2, *MODEL, *TRAIN, "--bucket_mb", "0.02", "--resume", str(ckpt),
+                     "--ckpt_dir", str(tmp_path / "continued"))  # (by default it would save into the one it resumed)
+    assert "saved by stage3 on 4 rank(s)" in run.stdout, run.stdout
+    k = first_difference(reference.summary["losses"], run.summary["losses"], LOSS_ATOL)
+    assert k is None, f"stage 1 on 2 ranks from stage 3's checkpoint: loss at step {k} is {run.summary['losses'][k]}, " \
+                      f"the reference's {reference.summary['losses'][k]}"
+    compare_params(reference.master, run.master, "stage 1 on 2 ranks, resumed from stage 3 on 4")
+
+
+def test_consolidate_and_sample(runner, stage3_on_4, tmp_path):
+    """A sharded checkpoint -> one fp32 state dict (equal to what the run itself gathered), which samples text."""
+    ckpt, run = stage3_on_4
+    out = tmp_path / "gpt.pt"
+    p = runner.launch(str(ROOT / "train_gpt.py"), None, "--consolidate", str(ckpt), str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    saved = torch.load(out, weights_only=True)
+    assert saved["step"] == 3 and set(saved["state_dict"]) == set(run.master)
+    for name, t in run.master.items():
+        assert torch.equal(saved["state_dict"][name], t), f"consolidated {name} differs from the run's own parameters"
+    p = runner.launch(str(ROOT / "train_gpt.py"), None, "--sample", str(out), "--sample_chars", "50")
+    assert p.returncode == 0 and "--- sample ---" in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+def killed(runner, tmp_path, kill_at):
+    """Stage 2 on 2 ranks, saving every 2 steps, with rank 1 SIGKILLed at `kill_at`: the job must die."""
+    ckpt = tmp_path / "ckpt"
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'kill_point'}:{ROOT}", "KILL_RANK": "1", "KILL_AT": kill_at}
+    p = runner.launch(str(ROOT / "stage2.py"), 2, *MODEL, *TRAIN, "--bucket_mb", "0.02", "--save_every", "2",
+                      "--ckpt_dir", str(ckpt), "--no_progress", env=env)
+    assert p.returncode != 0, f"the job survived the kill of rank 1 at {kill_at}:\n{p.stdout[-2000:]}"
+    assert "SIGKILL" in p.stderr or "Signal 9" in p.stderr, f"rank 1 did not die of SIGKILL:\n{p.stderr[-2000:]}"
+    return ckpt
+
+
+@pytest.mark.parametrize("kill_at, complete", [("backward:9", [2, 4]), ("replace:step_000004", [2])],
+                         ids=["mid-step", "mid-save"])
+def test_killed_rank_loses_only_steps_since_the_last_checkpoint(runner, tmp_path, kill_at, complete):
+    """9th backward = step 5's first micro-step (after the step-4 save); or rank 1 dies while saving step 4, its
+    shard written but never renamed into place. Resuming gives the uninterrupted run's result exactly."""
+    ckpt = killed(runner, tmp_path, kill_at)
+    found = sorted(int(d.name[5:]) for d in ckpt.glob("step_*") if (d / "manifest.json").exists())
+    assert found == complete, f"killed at {kill_at}: complete checkpoints at steps {found}, expected {complete}"
+    straight = train(runner, str(ROOT / "stage2.py"), 2)
+    resumed = runner.run(str(ROOT / "stage2.py"), 2, *MODEL, *TRAIN, "--bucket_mb", "0.02", "--resume", str(ckpt))
+    assert f"step_{complete[-1]:06d}" in resumed.stdout, resumed.stdout
+    assert_same_run(straight, resumed, f"stage 2 killed at {kill_at}, then resumed")
+
+
+# ---- bad input: one line that says what is wrong and what to do; nothing written
+
+@pytest.fixture(scope="module")
+def good(stage3_on_4):
+    """The step directory of a complete checkpoint, and the model and data it fits."""
+    ckpt, _ = stage3_on_4
+    cfg = GPTConfig(**json.loads((ckpt / "step_000003" / "manifest.json").read_text())["config"])
+    return ckpt / "step_000003", cfg, CharData(load_text(None), cfg.block_size).chars
+
+
+def damaged(good, tmp_path, damage):
+    step_dir = tmp_path / "ckpt" / good[0].name
+    shutil.copytree(good[0], step_dir)
+    damage(step_dir)
+    return step_dir
+
+
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+SHARD = "shard_00001_of_00004.pt"
+CASES = {
+    "missing shard": (lambda d: (d / SHARD).unlink(), f"{SHARD} is missing"),
+    "truncated shard": (lambda d: (d / SHARD).write_bytes((d / SHARD).read_bytes()[:1000]), f"{SHARD} is truncated"),
+    "corrupt shard": (lambda d: flip_a_byte(d / SHARD), f"{SHARD} is corrupt"),
+    "manifest of other shards": (lambda d: shutil.copy(d / "shard_00002_of_00004.pt", d / SHARD), f"{SHARD} is"),
+    "no manifest (a save cut short)": (lambda d: (d / "manifest.json").unlink(), "no complete checkpoint there"),
+    "manifest not JSON": (lambda d: (d / "manifest.json").write_text("{"), "is not a checkpoint manifest"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_damaged_checkpoint_is_refused(good, tmp_path, case):
+    damage, message = CASES[case]
+    step_dir = damaged(good, tmp_path, damage)
+    with pytest.raises(SystemExit, match="^error: ") as e:
+        open_checkpoint(str(step_dir.parent), good[1], good[2])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_other_model_or_data_is_refused(good):
+    step_dir, cfg, chars = good
+    with pytest.raises(SystemExit, match=r"holds a different GPT: n_embd 33 \(this run: 48\); pass the --preset"):
+        open_checkpoint(str(step_dir), GPTConfig(**{**vars(cfg), "n_embd": 48}), chars)
+    with pytest.raises(SystemExit, match="trained on another text .* pass the --data"):
+        open_checkpoint(str(step_dir), cfg, chars[:-1])
+
+
+def tree_hash(path):
+    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
+
+
+def test_bad_resume_from_the_command_line_writes_nothing(runner, good, tmp_path):
+    """As a user would meet them: a checkpoint of another model, shards that hold less than the manifest promises,
+    a --ckpt_dir holding another run's checkpoints. Each stops before training, and the directory is unchanged."""
+    ref = str(ROOT / "train_gpt.py")
+    step_dir = damaged(good, tmp_path, lambda d: None)
+    before = tree_hash(step_dir.parent)
+    p = runner.launch(ref, None, *MODEL[:-2], "--block_size", "16", *TRAIN, "--resume", str(step_dir.parent))
+    assert p.returncode != 0 and "holds a different GPT: block_size" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
+    p = runner.launch(ref, None, *MODEL, *TRAIN, "--ckpt_dir", str(step_dir.parent))
+    assert p.returncode != 0 and "already holds checkpoints" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
+    assert tree_hash(step_dir.parent) == before, "a refused run changed the checkpoint directory"
+
+    # a manifest listing only 2 of the 4 shards, consistently: every file checks out, but half the state is absent
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest.update(world_size=2, shards=manifest["shards"][:2])
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    p = runner.launch(ref, None, *MODEL, *TRAIN, "--resume", str(step_dir))
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode != 0 and "the shards do not match the manifest" in last and "elements" in last, p.stderr[-2000:]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
