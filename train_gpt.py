@@ -244,7 +244,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self.base = live_tensor_bytes(self.device)
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            # the autograd profiler itself: torch.profiler.profile would first import torch._inductor (~2 s per rank)
+            self.prof = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
             self.prof.__enter__()
         return self
 
@@ -254,7 +255,7 @@ class PeakMemory:
             self.peak = torch.cuda.max_memory_allocated(self.device)
             return
         self.prof.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
+        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.kineto_results.events()
                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
         running = highest = 0
         for _, nbytes in events:
