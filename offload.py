@@ -8,17 +8,13 @@ AdamW (cpu_adam.cpp, OpenMP + SIMD) updates them there. Per rank (ZeRO-Offload p
 Between ranks it sends what stage 3 sends, 3Ψ·(N-1)/N per micro-step; over each rank's device-host link, its
 gradient shard goes down and its parameter shard comes back up: 2Ψ/N + 2Ψ/N bytes per step.
 
-How: as stage 3, but when a bucket's reduce-scatter is done, its reduced shard is copied device-to-host on a copy
-stream beside the compute stream, so the copy overlaps the rest of backward (with --grad_accum the shard is summed
-on the device until the last micro-step, so the link carries it once per step). The step waits for those copies
-(an event), computes the global norm from the host shards, and runs the C++ AdamW over one bucket's shard at a time,
-which also writes the updated bf16 parameters into a pinned staging buffer in the same pass; each chunk's
-host-to-device copy then overlaps the next chunk's update. With --delayed_update, the CPU update of step t runs in
-a background thread while the device computes step t+1 with the parameters of step t-1 (the paper's DPU): one step
-stale, and a second host gradient shard (2Ψ/N) so that step t+1 has somewhere to put its gradients.
-
-Without CUDA the "device" is the CPU: the copy stream and events do nothing and copies are plain, but the
-algorithm, the buffers and the ledgers are the same, so the tests on a CPU cover them.
+How: as stage 3, but each bucket's reduced shard is copied device-to-host on a copy stream beside the compute
+stream, overlapping the rest of backward (with --grad_accum it is summed on the device until the last micro-step).
+The step waits for those copies (an event), computes the global norm from the host shards, and runs the C++ AdamW
+over one bucket's shard at a time, writing the updated bf16 parameters into a pinned staging buffer in the same pass;
+each chunk's host-to-device copy overlaps the next chunk's update. --delayed_update runs step t's CPU update in a
+thread while the device computes step t+1 on the weights of update t-1 (the paper's DPU; a second gradient shard).
+Without CUDA the "device" is the CPU, streams and events do nothing: same algorithm, buffers and ledgers.
 
 Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
@@ -39,32 +35,23 @@ from train_gpt import clip_coef, comm, main
 _cpu_adam = None  # the built module, once load_cpu_adam() has run
 
 
-def load_cpu_adam(verbose=False):
-    """Build (once, cached by torch in TORCH_EXTENSIONS_DIR) and return the C++ AdamW module from cpu_adam.cpp."""
+def load_cpu_adam():
+    """Build cpu_adam.cpp (once: torch caches the build in TORCH_EXTENSIONS_DIR) and return the module."""
     global _cpu_adam
-    if _cpu_adam is not None:
-        return _cpu_adam
-    how = "install a C++ compiler (apt-get install g++) and ninja (pip install ninja)"
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")
-    try:
-        torch.utils.cpp_extension.verify_ninja_availability()
-        cxx = os.environ.get("CXX", "c++")
-        if shutil.which(cxx) is None:
-            raise RuntimeError(f"C++ compiler {cxx!r} not found on PATH")
-        with open(path) as f:
-            src = f.read()
-        _cpu_adam = torch.utils.cpp_extension.load_inline(
-            name="cpu_adam",
-            cpp_sources=[src],
-            functions=["adam_step", "touch_28_bytes"],
-            # -march=native: AVX-512/AVX2 paths for this CPU (the cache is per machine: don't share it across CPUs).
-            # -ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            verbose=verbose,
-        )
-    except Exception as e:
-        raise RuntimeError(f"could not build cpu_adam.cpp: {how}\n{type(e).__name__}: {e}") from e
+    if _cpu_adam is None:
+        try:
+            torch.utils.cpp_extension.verify_ninja_availability()
+            if shutil.which(os.environ.get("CXX", "c++")) is None:
+                raise RuntimeError(f"C++ compiler {os.environ.get('CXX', 'c++')!r} not found on PATH")
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")) as f:
+                # -march=native: the AVX-512/AVX2 paths for this CPU (so the cache is per machine: don't share it).
+                # -ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike.
+                _cpu_adam = torch.utils.cpp_extension.load_inline(
+                    name="cpu_adam", cpp_sources=[f.read()], functions=["adam_step", "touch_28_bytes"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
+        except Exception as e:
+            raise RuntimeError("could not build cpu_adam.cpp: install a C++ compiler (apt-get install g++) and ninja "
+                               f"(pip install ninja)\n{type(e).__name__}: {e}") from e
     return _cpu_adam
 
 
@@ -103,8 +90,6 @@ class Copies:
 def host_buffer(t, cuda):
     """A copy of t in CPU memory, pinned if there is a GPU (pageable memory makes device-host copies much slower)."""
     return t.cpu().pin_memory() if cuda else t.cpu().clone()
-
-
 
 
 class Bucket:
@@ -302,9 +287,8 @@ class OffloadEngine:
         a = self.args
         for b in self.buckets:
             sh = self._shard(b)
-            grad = grad_shard[sh].float().mul_(coef)  # clipped, in fp32: a chunk-sized temporary
-            self.adam.adam_step(self.master[sh], grad, self.adam_m[sh], self.adam_v[sh], self.staging[sh],
-                                step, lr, a.beta1, a.beta2, 1e-8, a.weight_decay)
+            self.adam.adam_step(self.master[sh], grad_shard[sh], self.adam_m[sh], self.adam_v[sh], self.staging[sh],
+                                step, lr, a.beta1, a.beta2, 1e-8, a.weight_decay, coef)  # coef: clipping, in the pass
             if send:
                 self.copies.copy(self.param_shard[sh], self.staging[sh])
         if send:
