@@ -1,9 +1,14 @@
-"""Shared machinery for the tests: run a stage under torchrun (CPU, gloo), once per configuration, and read what it
-wrote. `pytest tests --stage path/to/my_stage2.py` runs the stage checks against any file that implements a stage."""
+"""Shared machinery for the tests: run a stage on N ranks (CPU, gloo), once per configuration, and read what it
+wrote. `pytest tests --stage path/to/my_stage2.py` runs the stage checks against any file that implements a stage.
+Ranks are started the way torchrun starts them on one node, without torchrun's agent process (1.5 s a run here);
+`pytest tests --torchrun` starts every run under torchrun itself. The tests of killed ranks always use torchrun."""
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,7 @@ STAGES = ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py", "offload.py"]
 def pytest_addoption(parser):
     parser.addoption("--stage", action="append", default=[], metavar="FILE",
                      help="a file implementing a stage, to test instead of the repository's stages (repeatable)")
+    parser.addoption("--torchrun", action="store_true", help="start every multi-rank run under torchrun")
 
 
 def stage_files(config):
@@ -44,8 +50,8 @@ class Run:
 class Runner:
     """Runs training scripts in subprocesses, each configuration once per test session."""
 
-    def __init__(self, tmp):
-        self.tmp, self.cache, self.help = tmp, {}, {}
+    def __init__(self, tmp, torchrun=False):
+        self.tmp, self.cache, self.help, self.torchrun = tmp, {}, {}, torchrun
 
     def options(self, script):
         """The script's source, to pass stage-specific options (such as --bucket_mb) only where they exist."""
@@ -68,7 +74,10 @@ class Runner:
             tag = f"{Path(script).stem}_{nproc}_{len(self.cache)}"
             out, master = self.tmp / f"{tag}.json", self.tmp / f"{tag}.pt"
             cmd = self.command(script, nproc, [*args, "--out", str(out), "--save_master", str(master)])
-            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=self.env(), timeout=900)
+            if nproc is None or self.torchrun:
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=self.env(), timeout=900)
+            else:
+                p = self.spawn(script, nproc, [*args, "--out", str(out), "--save_master", str(master)])
             if p.returncode != 0 or not out.exists() or not master.exists():
                 self.cache[key] = (f"this run failed (exit code {p.returncode}):\n  {' '.join(cmd)}\n--- its last output ---\n"
                                    + "\n".join(last_lines(p.stdout + p.stderr, 25)))
@@ -78,6 +87,33 @@ class Runner:
             pytest.fail(self.cache[key], pytrace=False)
         return self.cache[key]
 
+    def spawn(self, script, nproc, args, timeout=900):
+        """What torchrun does on one node: N ranks with the environment torch.distributed reads (RANK, WORLD_SIZE,
+        LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and the whole job stopped as soon as one rank fails."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs, outs = [], []
+        for rank in range(nproc):
+            env = dict(self.env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            outs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))  # files, not pipes: never full
+            procs.append(subprocess.Popen([sys.executable, script, *args], stdout=outs[-1][0], stderr=outs[-1][1],
+                                          text=True, cwd=ROOT, env=env))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode for p in procs) or time.monotonic() > deadline:
+                for p in procs:  # a failed rank leaves the others waiting in a collective: stop them
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.02)
+        text = []
+        for out, err in outs:
+            out.seek(0), err.seek(0)
+            text.append((out.read(), err.read()))
+        code = next((p.returncode for p in procs if p.returncode), 0)
+        return subprocess.CompletedProcess(procs[0].args, code, "".join(o for o, _ in text), "".join(e for _, e in text))
+
     def launch(self, script, nproc, *args, env=None):
         """Run once, uncached and unchecked (for runs meant to fail); return the finished process."""
         cmd = self.command(script, nproc, list(args))
@@ -85,5 +121,5 @@ class Runner:
 
 
 @pytest.fixture(scope="session")
-def runner(tmp_path_factory):
-    return Runner(tmp_path_factory.mktemp("runs"))
+def runner(tmp_path_factory, request):
+    return Runner(tmp_path_factory.mktemp("runs"), request.config.getoption("torchrun"))

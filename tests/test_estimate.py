@@ -150,14 +150,11 @@ def test_from_dir_without_runs_fails_clearly(tmp_path):
         compare.main(["--from_dir", str(tmp_path)])
 
 
-def test_from_dir_renders_a_real_run(tmp_path, capsys):
+def test_from_dir_renders_a_real_run(runner, tmp_path, capsys):
     out = tmp_path / "stage1_n2.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "stage1.py"),
-           "--preset", "tiny", "--steps", "2", "--batch_size", "4", "--dtype", "fp32", "--eval_batches", "1",
-           "--sample_chars", "0", "--no_progress", "--out", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
-    assert out.exists(), f"exit code {p.returncode}, no summary:\n{(p.stdout + p.stderr)[-3000:]}"
+    run = runner.run(str(ROOT / "stage1.py"), 2, "--preset", "tiny", "--steps", "2", "--batch_size", "4", "--dtype", "fp32",
+                     "--eval_batches", "1", "--sample_chars", "0", "--no_progress")
+    out.write_text(json.dumps(run.summary))
     assert compare.main(["--from_dir", str(tmp_path)]) == 0
     table = (tmp_path / "table.md").read_text()
     row = next(l for l in table.splitlines() if l.startswith("| stage1 | 2 |"))
