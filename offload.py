@@ -315,10 +315,11 @@ class OffloadEngine:
         self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)
         state, pieces = (self.master, self.adam_m, self.adam_v), []
         for name, p in self.model.named_parameters():
-            b, s = self.bucket_of[p], (self.bucket_of[p].end - self.bucket_of[p].start) // self.world_size
+            b = self.bucket_of[p]
+            s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
             lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
             if lo < hi:  # p overlaps this rank's shard of its bucket
-                at = b.start // self.world_size + lo - self.rank * s
+                at = self._shard(b).start + lo - self.rank * s
                 pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
         return pieces
 

@@ -142,10 +142,11 @@ class ZeRO1Engine:
         """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in self.model.named_parameters():
-            b, s = self.bucket_of[p], (self.bucket_of[p].end - self.bucket_of[p].start) // self.world_size
+            b = self.bucket_of[p]
+            s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
             lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
             if lo < hi:  # p overlaps this rank's shard of its bucket
-                at = b.start // self.world_size + lo - self.rank * s
+                at = self._shard(b).start + lo - self.rank * s
                 pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
         return pieces
 

@@ -412,14 +412,15 @@ def open_checkpoint(path, cfg, chars, part=(0, 1)):
     against this run's model and data, and its shards (this rank's `part` of them) against their sizes and hashes."""
     where = path if os.path.isfile(os.path.join(path, "manifest.json")) else (complete_checkpoints(path) or [None])[-1]
     if where is None:
-        raise SystemExit(f"error: --resume {path}: no complete checkpoint there (a checkpoint is complete once its "
-                         f"manifest.json is written); check the path, or start without --resume")
+        raise SystemExit(f"error: {path}: no complete checkpoint there (a checkpoint is complete once its "
+                         f"manifest.json is written); check the path (or, to start afresh, drop --resume)")
     try:
         with open(os.path.join(where, "manifest.json")) as f:
             manifest = json.load(f)
         shards = manifest["shards"]
-        assert manifest["format"] == 1 and len(shards) == manifest["world_size"]
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        if manifest["format"] != 1 or len(shards) != manifest["world_size"]:
+            raise ValueError("format, or shards against world_size")
+    except (ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {where}/manifest.json is not a checkpoint manifest of this program ({type(e).__name__}); "
                          f"resume from another step directory") from None
     if cfg is not None and manifest["config"] != vars(cfg):
@@ -441,23 +442,51 @@ def open_checkpoint(path, cfg, chars, part=(0, 1)):
             raise SystemExit(f"error: checkpoint {where}: {shards[i]['file']} {problem}; {hint}")
     return where, manifest
 
+def plan_checkpoints(args, cfg, chars, rank, world_size):
+    """Before any work: the checkpoint to resume (it must fit this model and data, and each rank checks its share of
+    the shards' hashes), the steps [start, end) this run takes, and where it saves: never over another run's
+    checkpoints, nor over this run's later ones."""
+    where, manifest, error = None, None, None
+    if args.resume:
+        try:
+            where, manifest = open_checkpoint(args.resume, cfg, chars, part=(rank, world_size))
+        except SystemExit as e:
+            error = str(e)
+        agree(error)
+    start, end = manifest["step"] if manifest else 0, min(args.steps, args.stop_after or args.steps)
+    if start >= end:
+        raise SystemExit(f"error: {where} is at step {start}, and this run ends at step {end}; raise --steps or --stop_after")
+    ckpt_dir = args.ckpt_dir or (where and os.path.dirname(where))
+    if ckpt_dir:
+        same = where is not None and os.path.realpath(os.path.dirname(where)) == os.path.realpath(ckpt_dir)
+        clash = [c for c in complete_checkpoints(ckpt_dir) if not same or int(os.path.basename(c)[5:]) > start]
+        if clash:
+            raise SystemExit(f"error: --ckpt_dir {ckpt_dir} already holds checkpoints this run would overwrite or mix "
+                             f"with (newest: {clash[-1]}); resume from them with --resume {clash[-1]}, or choose an empty directory")
+    return where, manifest, start, end, ckpt_dir
+
+def saved_pieces(where, manifest):
+    """Every piece a checkpoint holds, as (name, lo, hi, {"master": values, "exp_avg": ..., "exp_avg_sq": ...})."""
+    for s in manifest["shards"]:
+        shard = torch.load(os.path.join(where, s["file"]), mmap=True, weights_only=True)  # reads only what is used
+        at = 0
+        for name, lo, hi in shard["pieces"]:
+            yield name, lo, hi, {k: shard[k][at:at + hi - lo] for k in STATE}
+            at += hi - lo
+
 def load_checkpoint(where, manifest, engine):
     """Fill this rank's pieces from the saved ones, whatever stage and world size saved them; return the step."""
     wanted = defaultdict(list)
     for name, lo, hi, views in engine.state_pieces():
         wanted[name].append((lo, hi, views))
     need, found = sum(hi - lo for w in wanted.values() for lo, hi, _ in w), 0
-    for s in manifest["shards"]:
-        shard = torch.load(os.path.join(where, s["file"]), mmap=True, weights_only=True)  # reads only what is copied
-        at = 0
-        for name, lo, hi in shard["pieces"]:
-            for want_lo, want_hi, views in wanted.get(name, ()):
-                a, b = max(lo, want_lo), min(hi, want_hi)
-                if a < b:
-                    for k, view in zip(STATE, views):
-                        view[a - want_lo:b - want_lo].copy_(shard[k][at + a - lo:at + b - lo])
-                    found += b - a
-            at += hi - lo
+    for name, lo, hi, saved in saved_pieces(where, manifest):
+        for want_lo, want_hi, views in wanted.get(name, ()):
+            a, b = max(lo, want_lo), min(hi, want_hi)  # the overlap of what was saved with what this rank holds
+            if a < b:
+                for k, view in zip(STATE, views):
+                    view[a - want_lo:b - want_lo].copy_(saved[k][a - lo:b - lo])
+                found += b - a
     rank = dist.get_rank() if dist.is_initialized() else 0
     agree(None if found == need else f"error: checkpoint {where}: its shards hold {found} of the {need} elements rank "
                                      f"{rank} needs; the shards do not match the manifest, resume from another checkpoint")
@@ -468,6 +497,17 @@ def load_checkpoint(where, manifest, engine):
             torch.cuda.set_rng_state(shard["cuda_rng"])
     engine.resume(manifest["step"])
     return manifest["step"]
+
+def assemble(pieces, shapes):
+    """{name: full fp32 tensor} from (name, lo, hi, values) pieces, and the names whose elements they do not all cover."""
+    full = {name: torch.empty(math.prod(shape)) for name, shape in shapes.items()}
+    covered = dict.fromkeys(shapes, 0)
+    for name, lo, hi, values in pieces:
+        if name in full:
+            full[name][lo:hi] = values
+            covered[name] += hi - lo
+    missing = [name for name in shapes if covered[name] != full[name].numel()]
+    return {name: t.view(*shapes[name]) for name, t in full.items()}, missing
 
 def gather_master(engine):
     """The full fp32 master weights {name: tensor}, on rank 0 (None elsewhere): a collective over every rank."""
@@ -480,28 +520,17 @@ def gather_master(engine):
         every = [mine]
     if rank != 0:
         return None
-    shapes = dict(engine.model.named_parameters())
-    full = {name: torch.empty(p.numel()) for name, p in shapes.items()}
-    for pieces in every:
-        for name, lo, hi, values in pieces:
-            full[name][lo:hi] = values
-    return {name: t.view_as(shapes[name]) for name, t in full.items()}
+    shapes = {name: p.shape for name, p in engine.model.named_parameters()}
+    return assemble((piece for pieces in every for piece in pieces), shapes)[0]
 
 def consolidate(path, out):
     """A sharded checkpoint -> one file with the GPT's fp32 weights, config and vocabulary (zero_to_fp32.py's job)."""
     where, manifest = open_checkpoint(path, None, None)
-    full = {}
-    for s in manifest["shards"]:
-        shard = torch.load(os.path.join(where, s["file"]), weights_only=True)
-        at = 0
-        for name, lo, hi in shard["pieces"]:
-            full.setdefault(name, {})[lo] = shard["master"][at:at + hi - lo]
-            at += hi - lo
-    state = {name: torch.cat([parts[lo] for lo in sorted(parts)]) for name, parts in full.items()}
-    for name, shape in manifest["params"].items():
-        if name not in state or state[name].numel() != math.prod(shape):
-            raise SystemExit(f"error: checkpoint {where}: its shards do not hold all of {name}; the shards do not match the manifest")
-        state[name] = state[name].view(shape)
+    state, missing = assemble(((name, lo, hi, saved["master"]) for name, lo, hi, saved in saved_pieces(where, manifest)),
+                              manifest["params"])
+    if missing:
+        raise SystemExit(f"error: checkpoint {where}: its shards do not hold all of {missing[0]}; the shards do not "
+                         f"match the manifest")
     atomic_write(out, lambda f: torch.save({"config": manifest["config"], "chars": manifest["chars"], "step": manifest["step"],
                                             "state_dict": state}, f))
     print(f"wrote {out}: {sum(t.numel() for t in state.values()):,} fp32 parameters after step {manifest['step']} of {where}")
@@ -557,12 +586,14 @@ def pick_device(choice, local_rank):
                          f"use --nproc_per_node {torch.cuda.device_count()} or fewer")
     return torch.device("cuda", local_rank)
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 def init_distributed(args):
     if "RANK" not in os.environ:  # plain `python stageN.py`: a world of one, through the same code path
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     device = pick_device(args.device, int(os.environ["LOCAL_RANK"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -624,23 +655,7 @@ def main(Engine, stage, distributed=True, formula=None):
     cfg.vocab_size = max(cfg.vocab_size, len(data.chars))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     param_bytes = torch.finfo(dtype).bits // 8
-    where, manifest, error = None, None, None
-    if args.resume:  # before any work: the checkpoint must fit this model and data, and its shards must be whole
-        try:  # each rank checks its share of the shards' hashes
-            where, manifest = open_checkpoint(args.resume, cfg, data.chars, part=(rank, world_size))
-        except SystemExit as e:
-            error = str(e)
-        agree(error)
-    start, end = manifest["step"] if manifest else 0, min(args.steps, args.stop_after or args.steps)
-    if start >= end:
-        raise SystemExit(f"error: {where} is at step {start}, and this run ends at step {end}; raise --steps or --stop_after")
-    ckpt_dir = args.ckpt_dir or (where and os.path.dirname(where))
-    if ckpt_dir:  # never overwrite another run's checkpoints, nor this run's later ones
-        same = where is not None and os.path.realpath(os.path.dirname(where)) == os.path.realpath(ckpt_dir)
-        clash = [c for c in complete_checkpoints(ckpt_dir) if not same or int(os.path.basename(c)[5:]) > start]
-        if clash:
-            raise SystemExit(f"error: --ckpt_dir {ckpt_dir} already holds checkpoints this run would overwrite or mix "
-                             f"with (newest: {clash[-1]}); resume from them with --resume {clash[-1]}, or choose an empty directory")
+    where, manifest, start, end, ckpt_dir = plan_checkpoints(args, cfg, data.chars, rank, world_size)
 
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
     model = GPT(cfg).to(device=device, dtype=dtype)
@@ -654,7 +669,6 @@ def main(Engine, stage, distributed=True, formula=None):
               f"{args.dtype}; model states per rank in theory {sum(theory.values()) / 2**20:.2f} MiB; "
               f"unigram loss {data.unigram_loss:.3f}", flush=True)
 
-    micro = args.batch_size // (world_size * args.grad_accum)
     losses, grad_norms, val_losses, step_times = [], [], [], []
     if manifest:
         start = load_checkpoint(where, manifest, engine)

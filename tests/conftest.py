@@ -4,7 +4,6 @@ Ranks are started the way torchrun starts them on one node, without torchrun's a
 `pytest tests --torchrun` starts every run under torchrun itself. The tests of killed ranks always use torchrun."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from train_gpt import free_port  # noqa: E402
 STAGES = ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py", "offload.py"]
 
 
@@ -90,9 +90,7 @@ class Runner:
     def spawn(self, script, nproc, args, timeout=900):
         """What torchrun does on one node: N ranks with the environment torch.distributed reads (RANK, WORLD_SIZE,
         LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and the whole job stopped as soon as one rank fails."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         procs, outs = [], []
         for rank in range(nproc):
             env = dict(self.env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),

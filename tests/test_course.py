@@ -3,8 +3,6 @@ way students often break it fails with the message that names the mistake. (The 
 import subprocess
 import sys
 
-import pytest
-
 from conftest import ROOT, STAGES
 
 sys.path.insert(0, str(ROOT / "course"))

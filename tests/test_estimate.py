@@ -3,9 +3,6 @@ schema-correct summaries built here from the formulas, and on one real (tiny, 2-
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 

@@ -1,8 +1,6 @@
 """offload.py beyond the checks every stage gets (test_stages.py runs those on it too): the parameter shard offloaded
 as well, the one-step-delayed update against a reference that applies each update one step late, and where each
 model state lives."""
-import sys
-
 import pytest
 
 from conftest import ROOT
