@@ -20,7 +20,7 @@ N = 4), and 8 blocks make stage 3's working set (root + 2 blocks) small next to 
 Memory is counted in tensor bytes (train_gpt.PeakMemory), not RSS. On CPU, tokens/s at N ranks measures N processes
 sharing this machine's cores: compare stages at the same N, not across N.
 """
-import argparse, json, math, os, shutil, subprocess, sys, time
+import argparse, json, math, os, subprocess, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,6 +271,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=5, help="at least 3: step 1 is measured, later ones timed (default 5)")
     p.add_argument("--batch_size", type=int, default=16, help="global batch in sequences (a multiple of every N)")
+    p.add_argument("--lr", type=float, default=2e-3, help="min_lr is a tenth of it (2e-3: what README's tables used)")
     p.add_argument("--offload_params", action="store_true", help="passed to offload.py")
     p.add_argument("--out_dir", default=str(ROOT / "runs" / "compare"))
     p.add_argument("--from_dir", default=None, help="re-render the table and picture from the JSON files here; run nothing")
@@ -306,6 +307,7 @@ def main(argv=None):
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_args = ["--preset", a.preset, "--dtype", a.dtype, "--steps", str(a.steps), "--batch_size", str(a.batch_size),
+                  "--lr", str(a.lr), "--min_lr", str(a.lr / 10),
                   "--eval_every", str(10**9), "--eval_batches", "2", "--sample_chars", "0", "--no_progress"]
     for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         if getattr(a, k) is not None:

@@ -278,6 +278,7 @@ def launcher():
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3, help="min_lr is a tenth of it (2e-3: what README's tables used)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of {','.join(PAIRS)}")
@@ -293,6 +294,7 @@ def launcher():
         raise SystemExit(f"error: --pairs {args.pairs}: unknown {bad}; choose from {','.join(PAIRS)}")
     os.makedirs(args.outdir, exist_ok=True)
     common = ["--preset", args.preset, "--steps", str(args.steps), "--batch_size", str(args.batch_size),
+              "--lr", str(args.lr), "--min_lr", str(args.lr / 10),
               "--no_progress", "--sample_chars", "0", "--eval_every", str(10**9)] + extra
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
     results = {(s, side): [] for s in pairs for side in ("ours", "peer")}
