@@ -1,6 +1,8 @@
 """
-bench/estimate.py: per-rank model-state memory of every stage, for a model of any size, from train_gpt's own
-formulas (model_state_theory, host_categories): the numbers the stage files measure themselves against.
+bench/estimate.py: the model-state memory per rank of every stage, for a model of any size.
+
+It uses train_gpt's own formulas (model_state_theory, host_categories): the numbers the stage files measure
+themselves against.
 
     python bench/estimate.py --params 7.5e9 --world_size 64          # the ZeRO paper's worked example
     python bench/estimate.py --preset gpt2-xl --nodes 4 --gpus_per_node 8 --gpu_mem 80
@@ -144,8 +146,8 @@ def main(argv=None):
     p.add_argument("--gpus_per_node", type=int, help="ranks per node (host memory per node = this x host per rank)")
     p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES), help="parameters and gradients (default bf16)")
     p.add_argument("--offload_params", action="store_true", help="ZeRO-Offload also keeps the parameters' shard on the host")
-    p.add_argument("--gpu_mem", type=float, help="device memory per rank (in --unit): print the largest model that fits")
-    p.add_argument("--host_mem", type=float, help="host memory per node (in --unit), a limit for offload")
+    p.add_argument("--gpu_mem", type=float, help="device memory per rank, in GB (GiB with --gib): print the largest model that fits")
+    p.add_argument("--host_mem", type=float, help="host memory per node, in GB (GiB with --gib): a limit for offload")
     p.add_argument("--gib", action="store_true", help="print GiB (2^30 bytes) instead of GB (1e9, the paper's unit)")
     p.add_argument("--check_paper", action="store_true", help="compare with the ZeRO paper's worked examples and exit")
     a = p.parse_args(argv)
@@ -156,6 +158,9 @@ def main(argv=None):
         return 0 if ok else 1
     if a.params is None and a.preset is None:
         p.error("give --params (e.g. 7.5e9) or --preset (e.g. gpt2-xl), or --check_paper")
+    for name in ("world_size", "nodes", "gpus_per_node"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name} {getattr(a, name)}: must be at least 1")
     if a.world_size and (a.nodes or a.gpus_per_node):
         if a.world_size != (a.nodes or 1) * (a.gpus_per_node or 1):
             p.error(f"--world_size {a.world_size} is not --nodes x --gpus_per_node = {(a.nodes or 1) * (a.gpus_per_node or 1)}")

@@ -159,3 +159,18 @@ def test_from_dir_renders_a_real_run(runner, tmp_path, capsys):
     total = sum(v["theory"] for v in s["model_state_bytes"].values())
     assert f"{total / 2**20:.2f} / {total / 2**20:.2f}" in row
     assert "Model states equal to the formula in 1 of 1 runs" in table
+
+
+def test_cli_help_and_bad_world_size(capsys):
+    """--help's description is a whole sentence, names only flags that exist; N < 1 is refused, not taken as 1."""
+    with pytest.raises(SystemExit):
+        estimate.main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description
+    assert "--unit" not in out and "--gib" in out
+    for bad in (["--world_size", "0"], ["--world_size", "-2"], ["--nodes", "0", "--gpus_per_node", "8"]):
+        with pytest.raises(SystemExit) as e:
+            estimate.main(["--params", "1e9", *bad])
+        assert e.value.code == 2
+        assert "must be at least 1" in capsys.readouterr().err
