@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.cpp_extension
 
-from train_gpt import clip_coef, comm, main
+from train_gpt import clip_coef, comm, main, sum_of_squares
 
 _cpu_adam = None  # the built module, once load_cpu_adam() has run
 
@@ -264,7 +264,7 @@ class OffloadEngine:
     def step(self, lr):
         # [Offload] wait for the gradients on the CPU; global norm; C++ AdamW there; parameters back (or later, delayed)
         self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory
-        norm = torch.linalg.vector_norm(self.grad_shard, dtype=torch.float32).square().to(self.device)
+        norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets).to(self.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = float(clip_coef(norm, self.args.grad_clip))

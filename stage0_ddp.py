@@ -22,7 +22,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main
+from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares
 
 
 class Bucket:
@@ -98,9 +98,10 @@ class DDPEngine:
     # [/DDP]
 
     def step(self, lr):
-        grad = torch.cat([b.grad for b in self.buckets]).float()  # every rank holds the whole averaged gradient
-        norm = torch.linalg.vector_norm(grad)
-        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip)), lr)
+        norm = sum(sum_of_squares(b.grad) for b in self.buckets).sqrt()  # every rank holds the whole averaged gradient
+        coef = clip_coef(norm, self.args.grad_clip)
+        # AdamW bucket by bucket: one bucket's gradient in fp32 at a time, never a copy of the whole gradient
+        self.optimizer.step(((slice(b.start, b.end), b.grad.float().mul_(coef)) for b in self.buckets), lr)
         for b in self.buckets:
             b.param.copy_(self.master[b.start:b.end])  # the updated weights, cast back into the model
             b.grad.zero_()

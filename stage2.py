@@ -21,7 +21,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main
+from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares
 
 
 class Bucket:
@@ -129,13 +129,14 @@ class ZeRO2Engine:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
-        # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient
-        grad = self.grad_shard.float()  # this rank's shard of the averaged gradient
-        norm = torch.linalg.vector_norm(grad).square()
+        # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
+        norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
+        coef = clip_coef(norm, self.args.grad_clip)
+        self.optimizer.step(((self._shard(b), self.grad_shard[self._shard(b)].float().mul_(coef))
+                             for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
         # [/ZeRO-1]
-        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip)), lr)
         # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
         works = [comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype), async_op=True)
                  for b in self.buckets]  # every rank's updated shard, cast, into every rank's model

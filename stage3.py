@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, clip_coef, comm, main
+from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares
 
 
 class Bucket:
@@ -182,13 +182,14 @@ class ZeRO3Engine:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
-        # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient
-        grad = self.grad_shard.float()  # this rank's shard of the averaged gradient
-        norm = torch.linalg.vector_norm(grad).square()
+        # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
+        norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
+        coef = clip_coef(norm, self.args.grad_clip)
+        self.optimizer.step(((self._shard(b), self.grad_shard[self._shard(b)].float().mul_(coef))
+                             for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
         # [/ZeRO-1]
-        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip)), lr)
         # [ZeRO-3] the updated shard, cast into this rank's parameter shard (no all-gather: gathered when next used)
         self.param_shard.copy_(self.master)  # the updated shard, cast; gathered when next used
         # [/ZeRO-3]

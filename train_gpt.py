@@ -159,12 +159,23 @@ SHARDED = {"reference": (), "stage0": (), "stage1": ("master", "adam_m", "adam_v
            "stage3": ("params", "grads", "master", "adam_m", "adam_v")}
 SHARDED["offload"] = SHARDED["stage3"]
 
-def model_state_theory(stage, n_params, world_size, param_bytes=2):
-    """Bytes per rank by category for Ψ = n_params on N = world_size ranks: 2Ψ + 2Ψ + KΨ, K = 12, the
-    sharded categories divided by N (n_params is the padded count, a multiple of N, for sharded stages)."""
-    full = {"params": param_bytes * n_params, "grads": param_bytes * n_params,
-            "master": 4 * n_params, "adam_m": 4 * n_params, "adam_v": 4 * n_params}
+def bytes_per_param(param_bytes=2, grad_shards=1):
+    """Model-state bytes per parameter by category: 2 + 2 + K (K = 12) in bf16; 4 + 4 + 12 = 20 in fp32. ZeRO-Offload's
+    delayed update holds a second gradient shard (grad_shards=2), the one its CPU update reads while the next fills."""
+    return {"params": param_bytes, "grads": grad_shards * param_bytes, "master": 4, "adam_m": 4, "adam_v": 4}
+
+def model_state_theory(stage, n_params, world_size, param_bytes=2, grad_shards=1):
+    """Bytes per rank by category for Ψ = n_params on N = world_size ranks, the sharded categories divided by N
+    (n_params is the padded count, a multiple of N, for sharded stages)."""
+    full = {k: b * n_params for k, b in bytes_per_param(param_bytes, grad_shards).items()}
     return {k: v // world_size if k in SHARDED[stage] else v for k, v in full.items()}
+
+def formula_text(stage, param_bytes=2, grad_shards=1):
+    """The per-rank formula as the paper writes it: '16Ψ' (stage 0, bf16), '8Ψ + 12Ψ/N' (stage 1, fp32), '16Ψ/N' ..."""
+    b = bytes_per_param(param_bytes, grad_shards)
+    whole = sum(v for k, v in b.items() if k not in SHARDED[stage])
+    shard = sum(v for k, v in b.items() if k in SHARDED[stage])
+    return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{shard}Ψ/N"] * bool(shard))
 
 def host_categories(stage, offload_params=False):
     """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device."""
@@ -178,7 +189,7 @@ def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
     and 1 reduce once per step (no_sync); stage 2 reduces every micro-step into its shard; stage 3 also
     gathers parameters twice per micro-step (forward and backward)."""
     ring, psi = (world_size - 1) / world_size, n_params * param_bytes
-    norm = 2 * 4 * ring  # one fp32 scalar all-reduced: the global gradient norm from the shards
+    norm = 2 * 8 * ring  # one float64 scalar all-reduced: the sum of the shards' squared gradient norms
     return {"reference": {}, "stage0": {"all_reduce": 2 * psi * ring},
             "stage1": {"reduce_scatter": psi * ring, "all_gather": psi * ring, "all_reduce": norm},
             "stage2": {"reduce_scatter": grad_accum * psi * ring, "all_gather": psi * ring, "all_reduce": norm},
@@ -236,7 +247,7 @@ class PeakMemory:
     live bytes at entry plus the highest running sum of the allocations and frees the profiler records
     (RSS would mislead: glibc keeps freed buffers)."""
     def __init__(self, device):
-        self.device, self.peak = device, 0
+        self.device, self.peak, self.largest = device, 0, 0  # largest: the largest single allocation (CPU only)
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -261,6 +272,7 @@ class PeakMemory:
         for _, nbytes in events:
             running += nbytes
             highest = max(highest, running)
+            self.largest = max(self.largest, nbytes)
         self.peak = self.base + highest
 
 # ----------------------------------------------------------------------------------------------------------
@@ -272,26 +284,49 @@ class AdamW:
         m = beta1 * m + (1 - beta1) * g ;  v = beta2 * v + (1 - beta2) * g * g
         p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     Its state is the paper's K = 12 bytes per parameter: the fp32 master it updates, m and v. The step t is counted
-    once per call, never per tensor. It runs torch's fused kernel (the one torch.optim.AdamW(fused=True) calls): one
-    pass over memory instead of seven, and no import of torch's compiler, which building torch.optim.AdamW costs.
-    It decays every parameter, as torch's default does; nanoGPT spares biases and norms, which would split each
-    flat shard into two groups."""
+    once per call, never per tensor or bucket. It runs torch's fused kernel (the one torch.optim.AdamW(fused=True)
+    calls): one pass over memory instead of seven, and no import of torch's compiler, which building
+    torch.optim.AdamW costs. It decays every parameter, as torch's default does; nanoGPT spares biases and norms,
+    which would split each flat shard into two groups."""
     def __init__(self, param, args, eps=1e-8):
         self.param, self.args, self.eps, self.t = param, args, eps, 0
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
         self.step_tensor = torch.zeros((), dtype=torch.float32, device=param.device)  # where the kernel reads t
 
     @torch.no_grad()
-    def step(self, grad, lr):
+    def step(self, grads, lr):
+        """One step over `grads`: (where, fp32 gradient) pairs that cover the tensor, a bucket each, say. Pass a
+        generator that makes each bucket's fp32 gradient when asked, and only one exists at a time: no fp32 copy of
+        the whole gradient ever does."""
         a, self.t = self.args, self.t + 1
         self.step_tensor.fill_(self.t)
-        torch._fused_adamw_([self.param], [grad], [self.exp_avg], [self.exp_avg_sq], [], [self.step_tensor], lr=lr,
-                            beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay, eps=self.eps, amsgrad=False,
-                            maximize=False)
+        for where, grad in grads:
+            torch._fused_adamw_([self.param[where]], [grad], [self.exp_avg[where]], [self.exp_avg_sq[where]], [],
+                                [self.step_tensor], lr=lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
+                                eps=self.eps, amsgrad=False, maximize=False)
+            del grad  # this bucket's fp32 gradient, before the generator makes the next one
+
+def sum_of_squares(t, block=1 << 20):
+    """Σ t² over all of t, as a float64 scalar on t's device, accurate at any size. torch.linalg.vector_norm of one
+    124M-element fp32 vector is off by 1.3-2.7% on CPU (it accumulates in long runs), while torch.sum reduces
+    pairwise: squares summed in fp32 per block of 1M elements, the blocks added in float64, stay within 1e-7. (The
+    norm decides the clipping: it must be right at GPT-2 sizes, not only on small models.) One block at a time: its
+    fp32 squares (and for bf16 its widened copy) are the only temporaries, never an fp32 copy of all of t."""
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for part in t.reshape(-1).split(block):
+        total += part.float().square().sum()
+    return total
+
+class NonFiniteGradNorm(FloatingPointError):
+    """The global gradient norm is NaN or infinite: no update may use it (main stops the run with one line)."""
 
 def clip_coef(norm, max_norm):
-    """The factor torch.nn.utils.clip_grad_norm_ scales gradients by."""
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    """The factor torch.nn.utils.clip_grad_norm_ scales gradients by; --grad_clip 0 means no clipping (as in nanoGPT
+    and DeepSpeed: scaling by 0 would silently stop learning). Every stage calls it before its update, so a non-finite
+    norm stops the run here, before any NaN reaches the master weights or a checkpoint."""
+    if not math.isfinite(norm):  # one host sync per step: the decision to update at all is the host's
+        raise NonFiniteGradNorm(f"{float(norm)}")
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
 
 class SingleDeviceEngine:
     def __init__(self, model, args, device):
@@ -308,10 +343,10 @@ class SingleDeviceEngine:
         loss.backward()  # gradients accumulate in p.grad across micro-steps
 
     def step(self, lr):
-        grads = [p.grad.float() for p in self.params]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        for optimizer, g in zip(self.optimizers, grads):
-            optimizer.step(g.mul_(clip_coef(norm, self.args.grad_clip)), lr)
+        norm = sum(sum_of_squares(p.grad) for p in self.params).sqrt()
+        coef = clip_coef(norm, self.args.grad_clip)
+        for optimizer, p in zip(self.optimizers, self.params):
+            optimizer.step([(slice(None), p.grad.float().mul_(coef))], lr)
         for p, m in zip(self.params, self.master):
             p.data.copy_(m)
             p.grad = None
@@ -554,7 +589,8 @@ def parse_args(Engine):
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.99)
     p.add_argument("--grad_clip", type=float, default=1.0)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="parameters and gradients; auto: "
+                   "bf16 where it is fast (a GPU with bf16, a CPU with native bf16 matmul: AMX, AVX512-BF16), else fp32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval_every", type=int, default=100)
@@ -600,16 +636,71 @@ def init_distributed(args):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size(), device
 
+def stop(message, rank):
+    """End every rank with one error line, printed once: for an error that all ranks meet at the same point."""
+    if not dist.is_initialized():
+        raise SystemExit(message)
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    dist.barrier()  # rank 0 has printed before any rank exits (torchrun stops the others once one has exited)
+    dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(1)
+
 def check_args(args, world_size):
+    """Every option that could ruin a run silently (beta = 1 turns every weight into NaN), refused before any work."""
+    for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name} {getattr(args, name)}: must be at least 1")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name} {getattr(args, name)}: must be in [0, 1) (1 would divide by 1 - 1 = 0 in "
+                             f"Adam's bias correction); the usual values are 0.9 and 0.99")
+    for name in ("lr", "min_lr", "weight_decay", "warmup", "grad_clip"):
+        if not getattr(args, name) >= 0:  # (NaN too)
+            raise SystemExit(f"error: --{name} {getattr(args, name)}: must be 0 or more" +
+                             (" (0: no clipping)" if name == "grad_clip" else ""))
+    if getattr(args, "bucket_mb", 1) <= 0:
+        raise SystemExit(f"error: --bucket_mb {args.bucket_mb}: must be more than 0 (4 is the default)")
     if args.batch_size % (world_size * args.grad_accum):
         raise SystemExit(f"error: --batch_size {args.batch_size} is not divisible by world_size {world_size} x "
                          f"--grad_accum {args.grad_accum}; use a multiple of {world_size * args.grad_accum}")
-    if min(args.steps, args.batch_size, args.grad_accum) < 1:
-        raise SystemExit("error: --steps, --batch_size and --grad_accum must be at least 1")
     if args.save_every < 0 or (args.stop_after is not None and args.stop_after < 1):
         raise SystemExit("error: --save_every must be 0 or more and --stop_after at least 1")
     if args.save_every and not args.ckpt_dir:
         raise SystemExit("error: --save_every needs --ckpt_dir DIR, the directory to save into")
+
+def bf16_matmul_speedup(n=256, repeats=5):
+    """How many times faster a bf16 matmul runs than an fp32 one on this CPU (best of `repeats`; 0.1 s at most)."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b  # warm-up: the first call picks and prepares a kernel
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best[dtype] = min(best.get(dtype, math.inf), time.perf_counter() - t0)
+    return best[torch.float32] / best[torch.bfloat16]
+
+def pick_dtype(choice, device):
+    """(dtype, why) for --dtype. auto: bf16 where it is fast, fp32 otherwise. On a CPU, bf16 is fast only with native
+    bf16 matrix instructions (AMX, AVX512-BF16): elsewhere torch's bf16 matmul runs a fallback some 80x slower than
+    fp32. torch says whether oneDNN has such a path; a short measured probe confirms it (a check that torch provides
+    alone would also pick bf16 where oneDNN only emulates it)."""
+    if choice != "auto":
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice], f"--dtype {choice}"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"auto: {torch.cuda.get_device_name(device)} supports bf16"
+        return torch.float32, f"auto: {torch.cuda.get_device_name(device)} has no bf16"
+    isa = torch.backends.cpu.get_cpu_capability()
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None and not check():
+        return torch.float32, f"auto: this CPU ({isa}) has no native bf16 matmul, where bf16 would run ~80x slower"
+    speedup = bf16_matmul_speedup()
+    if speedup >= 1.5:
+        return torch.bfloat16, f"auto: a bf16 matmul runs {speedup:.1f}x faster than fp32 on this CPU ({isa})"
+    return torch.float32, f"auto: a bf16 matmul runs only {speedup:.2f}x as fast as fp32 on this CPU ({isa})"
 
 def sample_text(cfg, state_dict, chars, device, args):
     """Text generated by the GPT with these fp32 weights, starting from a newline."""
@@ -653,21 +744,27 @@ def main(Engine, stage, distributed=True, formula=None):
     check_args(args, world_size)
     data = CharData(load_text(args.data), cfg.block_size)
     cfg.vocab_size = max(cfg.vocab_size, len(data.chars))
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype, why = pick_dtype(args.dtype, device) if rank == 0 else (None, None)
+    if distributed:
+        dtype, why = everyone((dtype, why))[0]  # rank 0's choice, so that a timed probe cannot split the ranks
+    args.dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     param_bytes = torch.finfo(dtype).bits // 8
+    if rank == 0:
+        print(f"{stage}: {args.dtype} ({why})", flush=True)
     where, manifest, start, end, ckpt_dir = plan_checkpoints(args, cfg, data.chars, rank, world_size)
 
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
     model = GPT(cfg).to(device=device, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
     engine = Engine(model, args, device)
-    theory = model_state_theory(formula or stage, engine.padded_numel, world_size, param_bytes)
+    grad_shards = 1 + bool(getattr(args, "delayed_update", False))  # offload's delayed update: a second gradient shard
+    theory = model_state_theory(formula or stage, engine.padded_numel, world_size, param_bytes, grad_shards)
     comm_th = comm_theory(formula or stage, engine.padded_numel, world_size, param_bytes, args.grad_accum)
     host = host_categories(formula or stage, getattr(args, "offload_params", False))
     if rank == 0:
-        print(f"{stage}: {n_params:,} parameters (Ψ), padded to {engine.padded_numel:,}; {world_size} rank(s) on {device.type}, "
-              f"{args.dtype}; model states per rank in theory {sum(theory.values()) / 2**20:.2f} MiB; "
-              f"unigram loss {data.unigram_loss:.3f}", flush=True)
+        print(f"{stage}: {n_params:,} parameters (Ψ), padded to {engine.padded_numel:,}; {world_size} rank(s) on {device.type}; "
+              f"model states per rank {formula_text(formula or stage, param_bytes, grad_shards)} = "
+              f"{sum(theory.values()) / 2**20:.2f} MiB in theory; unigram loss {data.unigram_loss:.3f}", flush=True)
 
     losses, grad_norms, val_losses, step_times = [], [], [], []
     if manifest:
@@ -714,8 +811,13 @@ def main(Engine, stage, distributed=True, formula=None):
     for step in bar:
         t0 = time.perf_counter()
         comm.sent.clear()
-        with PeakMemory(device) if step == measure_step else contextlib.nullcontext() as meter:
-            loss, grad_norm, sent = train_step(step)
+        try:
+            with PeakMemory(device) if step == measure_step else contextlib.nullcontext() as meter:
+                loss, grad_norm, sent = train_step(step)
+        except NonFiniteGradNorm as e:  # every rank meets it at the same step: the norm is global
+            kept = f"; the checkpoints in {ckpt_dir} are intact" if ckpt_dir else ""
+            stop(f"error: step {step}: the global gradient norm is {e}, so no update was made{kept}; lower --lr "
+                 f"(it is {args.lr}) or --warmup's start, or check --data", rank)
         if meter:
             peak, comm_sent = meter.peak, sent
         else:

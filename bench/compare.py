@@ -14,7 +14,8 @@ step, "other" = peak - model states (activations, gradients and gathered paramet
 step measured / theory (train_gpt.comm_theory), tokens/s and the final training and validation losses (same model,
 data, seed and global batch at every N: the losses should agree across rows; in fp32, to rounding).
 
-The default model is the tiny preset widened to 8 layers of 128 (1.6M parameters) in fp32: the model states are large
+The default model is the tiny preset widened to 8 layers of 128 (1.6M parameters), in the dtype train_gpt's --dtype
+auto picks (bf16 where it is fast, else fp32; the table names it): the model states are large
 next to the activations of a 16 x 64-token batch, so the ZeRO ordering of the peak shows (stage 0 > 1 > 2 > 3 at
 N = 4), and 8 blocks make stage 3's working set (root + 2 blocks) small next to the whole model.
 Memory is counted in tensor bytes (train_gpt.PeakMemory), not RSS. On CPU, tokens/s at N ranks measures N processes
@@ -268,7 +269,8 @@ def main(argv=None):
     p.add_argument("--n_embd", type=int, default=128)
     p.add_argument("--block_size", type=int, default=None)
     p.add_argument("--vocab_size", type=int, default=None)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto (default): what train_gpt picks, bf16 where this machine computes it fast, else fp32")
     p.add_argument("--steps", type=int, default=5, help="at least 3: step 1 is measured, later ones timed (default 5)")
     p.add_argument("--batch_size", type=int, default=16, help="global batch in sequences (a multiple of every N)")
     p.add_argument("--lr", type=float, default=2e-3, help="min_lr is a tenth of it (2e-3: what README's tables used)")

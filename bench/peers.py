@@ -6,7 +6,7 @@ bench/peers.py: each of our stages beside the torch peer that does the same job,
     stage2.py      vs  FSDP2 fully_shard, reshard_after_forward=False, bf16 compute/reduce     (peer "fsdp2")
     stage3.py      vs  FSDP2 fully_shard, reshard_after_forward=True                          (peer "fsdp3")
 
-Same model, data, dtype (bf16), global batch and N ranks: each peer is an Engine that train_gpt.main drives through
+Same model, data, dtype (train_gpt's --dtype auto unless given after --), global batch and N ranks: each peer is an Engine that train_gpt.main drives through
 exactly the loop, data and timing our stages use. This file is both the launcher and the worker:
 
     python bench/peers.py                                   # 4 pairs x 3 rounds, small preset, 25 steps, N = 2
@@ -74,7 +74,7 @@ class FlatAdamW:
 
     def step(self, grad, lr):
         if self.ours is not None:
-            return self.ours.step(grad, lr)
+            return self.ours.step([(slice(None), grad)], lr)
         self.master.grad = grad
         self.torch.param_groups[0]["lr"] = lr
         self.torch.step()
@@ -182,7 +182,8 @@ class FSDP2Peer:
         self.model, self.args = model, args
         _broadcast_from_rank0(model)  # in bf16, as built: the fp32 masters then equal our stages' float(bf16) ones
         model.float()  # main builds in --dtype; FSDP2's sharded params must be fp32 to be the masters
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        low = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]  # main has resolved auto by now
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
         fully_shard(model, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)

@@ -18,7 +18,7 @@ def test_adamw_matches_torch(weight_decay):
     torch_opt = torch.optim.AdamW([ref], lr=1.0, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, foreach=False)
     for step, lr in enumerate([1e-3, 3e-3, 2e-3, 5e-4, 1e-4]):  # a learning rate that changes between steps
         grad = torch.randn_like(p0) * (10.0 ** -step)          # gradients that shrink, so bias correction matters
-        opt.step(grad, lr)
+        opt.step([(slice(None), grad)], lr)
         torch_opt.param_groups[0]["lr"] = lr
         ref.grad = grad.clone()
         torch_opt.step()

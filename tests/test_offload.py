@@ -66,3 +66,12 @@ def test_delayed_update_differs_from_exact(runner, reference):
     exact = reference.summary["losses"]
     assert got[0] == pytest.approx(exact[0], abs=LOSS_ATOL)
     assert all(abs(g - e) > 1e-4 for g, e in zip(got[1:], exact[1:])), (got, exact)
+
+
+def test_delayed_update_second_gradient_shard_is_in_the_formula(runner):
+    """--delayed_update holds two gradient shards (one filling, one read by the CPU update): the formula counts both,
+    so measured equals theory for this option too."""
+    s = runner.run(OFFLOAD, 1, *MODEL, *TRAIN, "--delayed_update").summary
+    for category, v in s["model_state_bytes"].items():
+        assert v["measured"] == v["theory"], f"{category}: measured {v['measured']:,}, formula {v['theory']:,}"
+    assert s["model_state_bytes"]["grads"]["theory"] == 2 * s["model_state_bytes"]["params"]["theory"]
