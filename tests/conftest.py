@@ -64,8 +64,8 @@ class Runner:
 
     def env(self, extra=None):
         """The runs' environment: GPUs hidden unless this runner is the GPU suite's; `extra` on top."""
-        return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **({} if self.gpu else {"CUDA_VISIBLE_DEVICES": ""}),
-                    **(extra or {}))
+        hide = {} if self.gpu else {"CUDA_VISIBLE_DEVICES": ""}
+        return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **hide, **(extra or {})}
 
     def command(self, script, nproc, args):
         if nproc is None:
