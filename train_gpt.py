@@ -172,6 +172,19 @@ def host_categories(stage, offload_params=False):
         return ()
     return ("grads", "master", "adam_m", "adam_v") + (("params",) if offload_params else ())
 
+def pinned_bytes(nbytes):
+    """What PyTorch's pinned-memory cache (CachingHostAllocator) takes for a pinned allocation of nbytes: rounded up to
+    the next power of two (and kept for reuse once freed). Pageable memory is not rounded."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
+    """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
+    one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
+    updated parameters, and with --offload_params the parameter shard. (fp32 master and moments stay pageable.)"""
+    if stage != "offload":
+        return 0
+    return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
+
 def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
     """Bytes this rank sends per optimizer step, by collective, with ring algorithms: an all-reduce sends
     2(N-1)/N of the tensor, a reduce-scatter or an all-gather (N-1)/N. Gradient accumulation: stages 0
@@ -678,6 +691,8 @@ def main(Engine, stage, distributed=True, formula=None):
     theory = model_state_theory(formula or stage, engine.padded_numel, world_size, param_bytes)
     comm_th = comm_theory(formula or stage, engine.padded_numel, world_size, param_bytes, args.grad_accum)
     host = host_categories(formula or stage, getattr(args, "offload_params", False))
+    pinned_th = pinned_theory(formula or stage, engine.padded_numel, world_size, param_bytes, getattr(args, "offload_params", False),
+                              getattr(args, "delayed_update", False)) if device.type == "cuda" else 0  # nothing pinned without CUDA
     if rank == 0:
         print(f"{stage}: {n_params:,} parameters (Ψ), padded to {engine.padded_numel:,}; {world_size} rank(s) on {device.type}, "
               f"{args.dtype}; model states per rank in theory {sum(theory.values()) / 2**20:.2f} MiB; "
@@ -720,6 +735,7 @@ def main(Engine, stage, distributed=True, formula=None):
             states.update({k: storage_bytes(v) for k, v in held.items()})
             on_device = [t for t in sum(held.values(), []) + [data.train, data.val] if t.device.type == device.type]
             other["live"] = live_tensor_bytes(device) - storage_bytes(on_device)  # the rest: buffers in flight, leaks
+            other["pinned"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) if device.type == "cuda" else 0
         grad_norm = engine.step(lr_at(step, args))
         sent = dict(comm.sent)
         if distributed:
@@ -765,7 +781,7 @@ def main(Engine, stage, distributed=True, formula=None):
                        losses=losses, grad_norms=grad_norms, val_losses=val_losses,
                        val_loss=val_losses[-1][1] if val_losses else None, steps_done=end, resumed_from=start,
                        unigram_loss=data.unigram_loss, tokens_per_s=tokens_per_s, peak_memory_bytes=peak,
-                       other_tensor_bytes=other["live"],
+                       other_tensor_bytes=other["live"], pinned_host_bytes={"measured": other["pinned"], "theory": pinned_th},
                        model_state_bytes={k: {"measured": states.get(k, 0), "theory": theory[k],
                                               "where": "host" if k in host else "device"} for k in theory},
                        model_state_bytes_per_rank=per_rank,
@@ -776,7 +792,8 @@ def main(Engine, stage, distributed=True, formula=None):
         print(f"{stage}: val loss {val} (unigram {data.unigram_loss:.3f}), {tokens_per_s:,.0f} tokens/s, "
               f"peak {peak / 2**20:.1f} MiB, model states {sum(states.values()) / 2**20:.2f} MiB "
               f"(theory {sum(theory.values()) / 2**20:.2f}), sent {sum(comm_sent.values()) / 2**20:.2f} MiB/step "
-              f"(theory {sum(comm_th.values()) / 2**20:.2f})")
+              f"(theory {sum(comm_th.values()) / 2**20:.2f})" + (f", pinned host memory {other['pinned'] / 2**20:.2f} MiB "
+              f"(theory {pinned_th / 2**20:.2f}: each allocation rounded up to a power of two)" if pinned_th else ""))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=1)
