@@ -104,8 +104,11 @@ def test_freed_what_the_stage_promises(runner, stage_file, nproc):
     gradient (it would be n_params x 4 bytes); stage 3: no gathered parameters either."""
     s = train(runner, stage_file, nproc).summary
     full_gradient = s["n_params"] * 4
+    # offload.py also keeps a staging buffer for its updated parameters (Ψ'/N elements) in host memory, which on a CPU
+    # is the device's memory too: counted here, it is allowed for
+    staging = s["padded_numel"] // nproc * 4 if s["stage"] == "offload" else 0
     if s["stage"] in ("stage2", "stage3", "offload"):
-        assert s["other_tensor_bytes"] < 0.25 * full_gradient, (
+        assert s["other_tensor_bytes"] < 0.25 * full_gradient + staging, (
             f"{s['stage']} at N={nproc}: {s['other_tensor_bytes']:,} bytes of tensors beyond model states after backward "
             f"(a full gradient is {full_gradient:,}): memory of the full gradient, or gathered parameters, still held")
 
