@@ -276,6 +276,18 @@ class PeakMemory:
             highest = max(highest, running)
         self.peak = self.base + highest
 
+@contextlib.contextmanager
+def timeline(trace_dir, rank, device):
+    """--trace DIR: a torch.profiler timeline of one step (CPU ops; on a GPU also its kernels and copies, each on its
+    stream), forward, backward and step marked, as a Chrome trace per rank: DIR/rank{r}.json (ui.perfetto.dev shows it)."""
+    cuda = device.type == "cuda"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)  # the step's kernels have all run: the timeline holds them
+    os.makedirs(trace_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(trace_dir, f"rank{rank}.json"))
+
 # ----------------------------------------------------------------------------------------------------------
 # The reference engine: the recipe on one device, no distribution. Every stage must match it.
 
@@ -590,6 +602,7 @@ def parse_args(Engine):
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--save_master", default=None, help="write the final fp32 parameters here (torch.save, rank 0)")
     p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write a profiler timeline of one step per rank here")
     p.add_argument("--ckpt_dir", default=None, help="save checkpoints here: every --save_every steps and at the end")
     p.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--stop_after", type=int, default=None, help="stop after this step, as if interrupted; the "
@@ -727,8 +740,10 @@ def main(Engine, stage, distributed=True, formula=None):
         for k in range(args.grad_accum):
             x, y = data.batch("train", args.seed * 1_000_003 + step, args.batch_size, k * world_size + rank,
                               world_size * args.grad_accum, device)
-            loss = engine.forward(x, y)
-            engine.backward(loss / args.grad_accum, sync=(k == args.grad_accum - 1))
+            with torch.profiler.record_function("forward"):  # (marks for --trace; nearly free without a profiler)
+                loss = engine.forward(x, y)
+            with torch.profiler.record_function("backward"):
+                engine.backward(loss / args.grad_accum, sync=(k == args.grad_accum - 1))
             loss_sum += loss.detach().float() / args.grad_accum
         if step == measure_step:  # what this rank holds when the optimizer runs: the paper's model states
             held = engine.model_states()
@@ -736,7 +751,8 @@ def main(Engine, stage, distributed=True, formula=None):
             on_device = [t for t in sum(held.values(), []) + [data.train, data.val] if t.device.type == device.type]
             other["live"] = live_tensor_bytes(device) - storage_bytes(on_device)  # the rest: buffers in flight, leaks
             other["pinned"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) if device.type == "cuda" else 0
-        grad_norm = engine.step(lr_at(step, args))
+        with torch.profiler.record_function("step"):
+            grad_norm = engine.step(lr_at(step, args))
         sent = dict(comm.sent)
         if distributed:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
@@ -746,11 +762,13 @@ def main(Engine, stage, distributed=True, formula=None):
     for step in bar:
         t0 = time.perf_counter()
         comm.sent.clear()
-        with PeakMemory(device) if step == measure_step else contextlib.nullcontext() as meter:
+        traced = args.trace and step == measure_step + 1  # a steady step, apart from the measured one
+        with PeakMemory(device) if step == measure_step else contextlib.nullcontext() as meter, \
+                timeline(args.trace, rank, device) if traced else contextlib.nullcontext():
             loss, grad_norm, sent = train_step(step)
         if meter:
             peak, comm_sent = meter.peak, sent
-        else:
+        elif not traced:
             step_times.append(time.perf_counter() - t0)
         losses.append(loss)
         grad_norms.append(grad_norm)
