@@ -181,7 +181,7 @@ class OffloadEngine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
-        # [Offload] this rank's fp32 master weights, Adam moments (no copy touches them) and gradient shard in CPU memory
+        # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; the C++ AdamW
         self.copies, self.device = Copies(device), device
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float().cpu()
         self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
