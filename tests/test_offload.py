@@ -33,14 +33,18 @@ main(DelayedReference, stage="reference", distributed=False)
 '''
 
 
+def assert_same_training(expected, got, where):
+    k = first_difference(expected.summary["losses"], got.summary["losses"], LOSS_ATOL)
+    assert k is None, (f"{where}: loss at step {k} is {got.summary['losses'][k]:.7f}, its reference has "
+                       f"{expected.summary['losses'][k]:.7f}")
+    compare_params(expected.master, got.master, where)
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_offload_params_parity_and_placement(runner, reference, nproc):
     run = runner.run(OFFLOAD, nproc, *MODEL, *TRAIN, "--offload_params")
-    s = run.summary
-    k = first_difference(reference.summary["losses"], s["losses"], LOSS_ATOL)
-    assert k is None, f"offload --offload_params at N={nproc}: loss at step {k} differs from the reference"
-    compare_params(reference.master, run.master, f"offload --offload_params at N={nproc}")
-    for category, v in s["model_state_bytes"].items():
+    assert_same_training(reference, run, f"offload --offload_params at N={nproc}")
+    for category, v in run.summary["model_state_bytes"].items():
         assert v["measured"] == v["theory"], f"{category}: measured {v['measured']:,}, formula {v['theory']:,}"
         assert v["where"] == "host", f"with --offload_params every model state lives on the host; {category} does not"
 
@@ -56,13 +60,6 @@ def delayed_reference(runner, tmp_path_factory):
     script = tmp_path_factory.mktemp("delayed") / "delayed_reference.py"
     script.write_text(DELAYED_REFERENCE.format(root=str(ROOT)))
     return runner.run(str(script), None, *MODEL, *TRAIN)
-
-
-def assert_same_training(expected, got, where):
-    k = first_difference(expected.summary["losses"], got.summary["losses"], LOSS_ATOL)
-    assert k is None, (f"{where}: loss at step {k} is {got.summary['losses'][k]:.7f}, its reference has "
-                       f"{expected.summary['losses'][k]:.7f}")
-    compare_params(expected.master, got.master, where)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
