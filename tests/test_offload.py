@@ -155,8 +155,12 @@ class FailingAdam:
         return self.adam.adam_step(*args)
 
 
-init = offload.OffloadEngine.__init__
-offload.OffloadEngine.__init__ = lambda self, *a: (init(self, *a), setattr(self, "adam", FailingAdam(self.adam)))[0]
+def init(self, *args, original=offload.OffloadEngine.__init__):
+    original(self, *args)
+    self.adam = FailingAdam(self.adam)
+
+
+offload.OffloadEngine.__init__ = init
 offload.main(offload.OffloadEngine, stage="offload")
 '''
 
