@@ -182,6 +182,18 @@ def test_gpu_offload_gradient_copies_overlap_backward(gpu_runner):
     assert overlapped, f"none of the {len(copies)} gradient copies ran while a backward kernel ran"
 
 
+def test_gpu_offload_params_prefetch_copies_overlap_forward(gpu_runner):
+    """With --offload_params the parameter shard comes up from pinned memory on the copy stream ("Memcpy HtoD (Pinned
+    -> Device)"), not on the compute stream, and the next unit's copy runs while this unit's forward kernels run."""
+    acts = trace(gpu_runner, "offload.py", 1, "--offload_params")
+    copies = [a for a in acts if a["name"].startswith("Memcpy HtoD") and a["phase"] == "forward"]
+    compute = compute_kernels(acts, "forward")
+    assert copies and compute, "no host-to-device copy, or no kernel, launched during forward"
+    assert all("Pinned" in a["name"] for a in copies), sorted({a["name"] for a in copies})
+    assert not {a["stream"] for a in copies} & {a["stream"] for a in compute}, "a parameter copy ran on the compute stream"
+    assert any(concurrent(c, compute) for c in copies), f"none of the {len(copies)} parameter copies ran beside a forward kernel"
+
+
 @pytest.mark.skipif(GPUS < 2, reason="stage 3's all-gathers need 2 GPUs or more")
 def test_gpu_stage3_prefetch_overlaps_forward(gpu_runner):
     """Stage 3's prefetched all-gathers (NCCL kernels, on NCCL's stream: the torch.distributed docs say a collective
