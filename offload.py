@@ -1,8 +1,9 @@
 """
 offload.py: ZeRO-Offload (as ZeRO-3 Offload), stage 3 plus one idea: the optimizer lives on the CPU.
 
-The fp32 master weights, both Adam moments and the gradient shard move to CPU memory (pinned, with CUDA), and a C++
-AdamW (cpu_adam.cpp, OpenMP + SIMD) updates them there. Per rank (ZeRO-Offload paper; ZeRO-Infinity's ZeRO-3 Offload):
+The fp32 master weights, both Adam moments and the gradient shard move to CPU memory (with CUDA, the buffers that
+device-host copies touch are pinned), and a C++ AdamW (cpu_adam.cpp, OpenMP + SIMD) updates them there. Per rank
+(ZeRO-Offload paper; ZeRO-Infinity's ZeRO-3 Offload):
     device: bf16 parameter shard 2Ψ/N (none with --offload_params) + the working set of stage 3
     host:   bf16 gradient shard 2Ψ/N + fp32 master, Adam m, Adam v 12Ψ/N (+ the parameter shard 2Ψ/N with --offload_params)
 Between ranks it sends what stage 3 sends, 3Ψ·(N-1)/N per micro-step; over each rank's device-host link, its
@@ -14,7 +15,8 @@ The step waits for those copies (an event), computes the global norm from the ho
 over one bucket's shard at a time, writing the updated bf16 parameters into a pinned staging buffer in the same pass;
 each chunk's host-to-device copy overlaps the next chunk's update. --delayed_update runs step t's CPU update in a
 thread while the device computes step t+1 on the weights of update t-1 (the paper's DPU; a second gradient shard).
-Without CUDA the "device" is the CPU, streams and events do nothing: same algorithm, buffers and ledgers.
+Without CUDA the "device" is the CPU, streams and events do nothing: same algorithm, buffers and ledgers; and with
+ZERO_SIMULATED_STREAM=1 copies land only when a wait covers them, so a missing wait fails the tests on a CPU too.
 
 Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
@@ -23,7 +25,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 """
 import os
 import shutil
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -56,40 +58,77 @@ def load_cpu_adam():
 
 
 class Copies:
-    """The device-specific part, kept thin. Three moving parts: the compute stream (forward, backward, the waits for
-    collectives), a copy stream beside it for device<->host copies, and the events that join the two. Without CUDA the
-    "device" is the CPU: copies are plain and synchronous, and there is nothing to join."""
+    """The device-specific part, kept thin: the compute stream (forward, backward, the waits for collectives), a copy
+    stream beside it for device<->host copies, and the events that join the two. A copy's host end must come from
+    host(), pinned with CUDA: a copy to or from pageable memory blocks the host until it is done. Without CUDA the
+    "device" is the CPU and copies are plain. ZERO_SIMULATED_STREAM=1 (the tests, on CPU) makes a copy land only when
+    a wait covers it, reading its source then: a missing wait, or a buffer reused too early, changes the numbers."""
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.host_storages = set()  # what host() allocated: the only host ends a copy may have
+        self.simulated = not self.cuda and os.environ.get("ZERO_SIMULATED_STREAM") == "1"
+        self.queued, self.landed = [], 0  # simulated: the copies not yet landed, in order; how many have landed
 
-    def copy(self, dst, src):
-        """dst.copy_(src) on the copy stream, after the compute stream has produced src and finished with dst."""
-        if not self.cuda:
-            return dst.copy_(src)
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        for t in (src, dst):
-            if t.is_cuda:
-                t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+    def host(self, numel, dtype):
+        """A zeroed buffer in CPU memory for copies to and from the device, pinned with CUDA (zeros_like of a pinned
+        tensor is not); allocate it once."""
+        t = torch.zeros(numel, dtype=dtype, pin_memory=self.cuda)
+        self.host_storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    def to_host(self, dst, src):
+        """dst.copy_(src) on the copy stream, once the compute stream has produced src; dst comes from host()."""
+        return self._copy(dst, src, dst)
+
+    def to_device(self, dst, src):
+        """dst.copy_(src) on the copy stream, once the compute stream is done with dst; src comes from host()."""
+        return self._copy(dst, src, src)
+
+    def _copy(self, dst, src, host_end):
+        if host_end.untyped_storage().data_ptr() not in self.host_storages:
+            raise RuntimeError("a device-host copy's host end must come from Copies.host(): not pinned, the copy "
+                               "would block the host until done")
+        if self.simulated:
+            self.queued.append((dst, src))
+        elif not self.cuda:
+            dst.copy_(src)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+            for t in (src, dst):
+                if t.is_cuda:
+                    t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+        return dst
 
     def event(self):
         """An event that fires when every copy queued so far has landed."""
+        if self.simulated:
+            return self.landed + len(self.queued)
         return self.stream.record_event() if self.cuda else None
 
     def host_waits(self, event):
-        if event is not None:
+        """The host waits until the event's copies have landed."""
+        if self.simulated:
+            self._land(event)
+        elif event is not None:
             event.synchronize()
 
     def compute_waits(self, event):
-        if event is not None:
+        """Work queued on the compute stream from now on waits for the event's copies; the host goes on. (Simulated:
+        they land at once, as the host itself runs the "device" work that follows.)"""
+        if self.simulated:
+            self._land(event)
+        elif event is not None:
             torch.cuda.current_stream().wait_event(event)
 
-
-def host_buffer(t, cuda):
-    """A copy of t in CPU memory, pinned if there is a GPU (pageable memory makes device-host copies much slower)."""
-    return t.cpu().pin_memory() if cuda else t.cpu().clone()
+    def _land(self, event):
+        """Simulated: the copies the event covers land now, in order, reading their sources now."""
+        while event is not None and self.landed < event:
+            dst, src = self.queued.pop(0)
+            dst.copy_(src)
+            self.landed += 1
 
 
 class Bucket:
@@ -142,12 +181,13 @@ class OffloadEngine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
-        # [Offload] this rank's fp32 master weights, Adam moments and gradient shard, in CPU memory; the C++ AdamW
-        self.copies, self.device, cuda = Copies(device), device, device.type == "cuda"
-        self.master = host_buffer(torch.cat([self._own(b.param) for b in self.buckets]).float(), cuda)
+        # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; the C++ AdamW
+        self.copies, self.device = Copies(device), device
+        self.master = torch.cat([self._own(b.param) for b in self.buckets]).float().cpu()
         self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
         self.adam, self.adam_step = load_cpu_adam(), 0
-        self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
+        self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # this rank's gradient shard
+        self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # updated parameters, on their way up
         # [/Offload]
         self.in_flight, self.forward_order, self.backward_order = [], [], []
         # [ZeRO-3] keep only this rank's shard of the parameters; free the full buckets; hook every unit's forward
@@ -158,9 +198,10 @@ class OffloadEngine:
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
         # [/ZeRO-3]
         if args.offload_params:  # the parameter shard in CPU memory too: it travels to the device inside the gather
-            self.param_shard = host_buffer(self.param_shard, cuda)
-        self.spare_grad_shard = torch.zeros_like(self.grad_shard) if args.delayed_update else None
+            self.param_shard = self.copies.host(self.param_shard.numel(), self.param_shard.dtype).copy_(self.param_shard)
+        self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype) if args.delayed_update else None
         self.update, self.grads_on_host, self.sync = None, None, True
+        self.updater = ThreadPoolExecutor(1) if args.delayed_update else None  # the thread --delayed_update runs in
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -185,7 +226,10 @@ class OffloadEngine:
         """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
         if b.gather is None and b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
-            shard = self.param_shard[self._shard(b)].to(b.param.device, non_blocking=True)  # from the CPU, if offloaded
+            shard = self.param_shard[self._shard(b)]
+            if self.args.offload_params:  # up from CPU memory on the copy stream; the all-gather waits for it
+                shard = self.copies.to_device(torch.empty_like(shard, device=self.device), shard)
+                self.copies.compute_waits(self.copies.event())
             b.gather = comm.all_gather(b.param, shard, async_op=True)
 
     def _free(self, b):
@@ -243,7 +287,7 @@ class OffloadEngine:
         if b.acc is not None:
             b.reduced += b.acc
         if self.sync:
-            self.copies.copy(self.grad_shard[self._shard(b)], b.reduced)
+            self.copies.to_host(self.grad_shard[self._shard(b)], b.reduced)
         b.acc = None if self.sync else b.reduced
         b.grad = b.reduced = b.work = None
     # [/Offload]
@@ -275,36 +319,48 @@ class OffloadEngine:
             return norm
         self._finish_update()  # step t-1's update, computed while this step ran, goes to the device now
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
-        self.update = threading.Thread(target=self._cpu_update, args=(self.spare_grad_shard, self.adam_step, lr, coef))
-        self.update.start()  # step t's update runs on the CPU while the device computes step t+1
+        # step t's update runs on the CPU while the device computes step t+1
+        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.adam_step, lr, coef)
         return norm
     # [/Offload]
 
     def _cpu_update(self, grad_shard, step, lr, coef, send=False):
         """C++ AdamW over this rank's shard, one bucket's shard at a time, writing the updated low-precision parameters
-        into a staging buffer in the same pass; each chunk's copy to the device overlaps the next chunk's update."""
-        self.staging = torch.empty(grad_shard.shape, dtype=grad_shard.dtype, pin_memory=self.copies.cuda)
+        into the staging buffer in the same pass; each chunk's copy to the device overlaps the next chunk's update.
+        (Staging's last copies have landed: the host waited for them, or for the gradients queued after them.)"""
         a = self.args
         for b in self.buckets:
             sh = self._shard(b)
             self.adam.adam_step(self.master[sh], grad_shard[sh], self.adam_m[sh], self.adam_v[sh], self.staging[sh],
                                 step, lr, a.beta1, a.beta2, 1e-8, a.weight_decay, coef)  # coef: clipping, in the pass
             if send:
-                self.copies.copy(self.param_shard[sh], self.staging[sh])
+                self._send(sh)
         if send:
             self.copies.compute_waits(self.copies.event())  # the next forward gathers the new parameters
-            self.staging = None  # (pinned memory is not reused before the copies that read it are done)
         else:
             grad_shard.zero_()
 
+    def _send(self, sh):
+        """Updated parameters [sh] from the staging buffer into the parameter shard: up to the device on the copy stream,
+        or, with --offload_params, a copy in CPU memory once every copy that reads the old values has landed."""
+        if self.args.offload_params:
+            self.copies.host_waits(self.copies.event())
+            self.param_shard[sh].copy_(self.staging[sh])
+        else:
+            self.copies.to_device(self.param_shard[sh], self.staging[sh])
+
     def _finish_update(self):
-        """Wait for the update running in the background, and send its parameters to the device."""
+        """Wait for the update running in the background, and send its parameters to the device. If it failed, stop
+        with its error, raised here: its half-written staging buffer is never sent."""
         if self.update is not None:
-            self.update.join()
-            self.update = None
-            self.copies.copy(self.param_shard, self.staging)
-            self.copies.compute_waits(self.copies.event())
-            self.staging = None
+            update, self.update = self.update, None
+            try:
+                update.result()  # an exception raised in the update's thread is raised again here
+            except Exception as e:
+                raise SystemExit(f"error: the CPU update running in the background (--delayed_update) failed: "
+                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            self._send(slice(None))
+            self.copies.host_waits(self.copies.event())  # for the next forward, and before the next update rewrites staging
 
     def model_states(self):
         return {"params": [self.param_shard], "grads": [self.grad_shard] + [self.spare_grad_shard] * self.args.delayed_update,

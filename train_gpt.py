@@ -183,6 +183,19 @@ def host_categories(stage, offload_params=False):
         return ()
     return ("grads", "master", "adam_m", "adam_v") + (("params",) if offload_params else ())
 
+def pinned_bytes(nbytes):
+    """What PyTorch's pinned-memory cache (CachingHostAllocator) takes for a pinned allocation of nbytes: rounded up to
+    the next power of two (and kept for reuse once freed). Pageable memory is not rounded."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
+    """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
+    one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
+    updated parameters, and with --offload_params the parameter shard. (fp32 master and moments stay pageable.)"""
+    if stage != "offload":
+        return 0
+    return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
+
 def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
     """Bytes this rank sends per optimizer step, by collective, with ring algorithms: an all-reduce sends
     2(N-1)/N of the tensor, a reduce-scatter or an all-gather (N-1)/N. Gradient accumulation: stages 0
@@ -297,6 +310,18 @@ class PeakMemory:
             self.largest = max(self.largest, nbytes)
         self.peak = self.base + highest
 
+@contextlib.contextmanager
+def timeline(trace_dir, rank, device):
+    """--trace DIR: a torch.profiler timeline of one step (CPU ops; on a GPU also its kernels and copies, each on its
+    stream), forward, backward and step marked, as a Chrome trace per rank: DIR/rank{r}.json (ui.perfetto.dev shows it)."""
+    cuda = device.type == "cuda"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)  # the step's kernels have all run: the timeline holds them
+    os.makedirs(trace_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(trace_dir, f"rank{rank}.json"))
+
 # ----------------------------------------------------------------------------------------------------------
 # The reference engine: the recipe on one device, no distribution. Every stage must match it.
 
@@ -407,6 +432,14 @@ def everyone(obj):
     dist.all_gather_object(out, obj)
     return out
 
+def from_rank0(obj):
+    """Rank 0's obj, on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
 def agree(error):
     """Stop every rank with the first rank's error, if any rank has one (a lone exit would hang the others)."""
     errors = [e for e in everyone(error) if e]
@@ -435,7 +468,7 @@ def sha256(path):
             h.update(block)
     return h.hexdigest()
 
-def save_checkpoint(ckpt_dir, engine, step, meta):
+def save_checkpoint(ckpt_dir, engine, step, meta, device):
     """Every rank writes its shard of the state after `step` optimizer steps; rank 0 then writes the manifest."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     where = os.path.join(ckpt_dir, f"step_{step:06d}")
@@ -444,7 +477,7 @@ def save_checkpoint(ckpt_dir, engine, step, meta):
     held_below = {key for keys in everyone([tuple(p[:3]) for p in pieces])[:rank] for key in keys}
     pieces = [p for p in pieces if tuple(p[:3]) not in held_below]  # replicated state (stage 0) is written once
     shard = {"step": step, "rank": rank, "world_size": world_size, "pieces": [tuple(p[:3]) for p in pieces],
-             "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+             "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
     for i, k in enumerate(STATE):
         shard[k] = torch.cat([p[3][i].detach().cpu() for p in pieces]) if pieces else torch.zeros(0)
     name = f"shard_{rank:05d}_of_{world_size:05d}.pt"
@@ -464,10 +497,14 @@ def complete_checkpoints(ckpt_dir):
     found = sorted(glob.glob(os.path.join(glob.escape(ckpt_dir), "step_*", "manifest.json")))
     return [os.path.dirname(m) for m in found]
 
+def find_checkpoint(path):
+    """The step directory `path` names: itself if it holds a manifest, else the newest complete one under it (or None)."""
+    return path if os.path.isfile(os.path.join(path, "manifest.json")) else (complete_checkpoints(path) or [None])[-1]
+
 def open_checkpoint(path, cfg, chars, part=(0, 1)):
     """The manifest of the checkpoint at `path` (a step directory, or the newest complete one under it), checked
     against this run's model and data, and its shards (this rank's `part` of them) against their sizes and hashes."""
-    where = path if os.path.isfile(os.path.join(path, "manifest.json")) else (complete_checkpoints(path) or [None])[-1]
+    where = find_checkpoint(path)
     if where is None:
         raise SystemExit(f"error: {path}: no complete checkpoint there (a checkpoint is complete once its "
                          f"manifest.json is written); check the path (or, to start afresh, drop --resume)")
@@ -502,24 +539,26 @@ def open_checkpoint(path, cfg, chars, part=(0, 1)):
 def plan_checkpoints(args, cfg, chars, rank, world_size):
     """Before any work: the checkpoint to resume (it must fit this model and data, and each rank checks its share of
     the shards' hashes), the steps [start, end) this run takes, and where it saves: never over another run's
-    checkpoints, nor over this run's later ones."""
+    checkpoints, nor over this run's later ones. Rank 0 picks the checkpoint: on a shared file system a rank's view of
+    a directory can lag, and ranks that each took "the newest" could resume different steps. Every refusal is agreed."""
     where, manifest, error = None, None, None
-    if args.resume:
-        try:
-            where, manifest = open_checkpoint(args.resume, cfg, chars, part=(rank, world_size))
-        except SystemExit as e:
-            error = str(e)
-        agree(error)
-    start, end = manifest["step"] if manifest else 0, min(args.steps, args.stop_after or args.steps)
-    if start >= end:
-        raise SystemExit(f"error: {where} is at step {start}, and this run ends at step {end}; raise --steps or --stop_after")
-    ckpt_dir = args.ckpt_dir or (where and os.path.dirname(where))
-    if ckpt_dir:
-        same = where is not None and os.path.realpath(os.path.dirname(where)) == os.path.realpath(ckpt_dir)
-        clash = [c for c in complete_checkpoints(ckpt_dir) if not same or int(os.path.basename(c)[5:]) > start]
-        if clash:
-            raise SystemExit(f"error: --ckpt_dir {ckpt_dir} already holds checkpoints this run would overwrite or mix "
-                             f"with (newest: {clash[-1]}); resume from them with --resume {clash[-1]}, or choose an empty directory")
+    newest = from_rank0(find_checkpoint(args.resume) if rank == 0 else None) if args.resume else None
+    try:
+        if args.resume:  # rank 0's choice (or, if it found none, each rank's own search, to refuse it alike)
+            where, manifest = open_checkpoint(newest or args.resume, cfg, chars, part=(rank, world_size))
+        start, end = manifest["step"] if manifest else 0, min(args.steps, args.stop_after or args.steps)
+        if start >= end:
+            raise SystemExit(f"error: {where} is at step {start}, and this run ends at step {end}; raise --steps or --stop_after")
+        ckpt_dir = args.ckpt_dir or (where and os.path.dirname(where))
+        if ckpt_dir:
+            same = where is not None and os.path.realpath(os.path.dirname(where)) == os.path.realpath(ckpt_dir)
+            clash = [c for c in complete_checkpoints(ckpt_dir) if not same or int(os.path.basename(c)[5:]) > start]
+            if clash:
+                raise SystemExit(f"error: --ckpt_dir {ckpt_dir} already holds checkpoints this run would overwrite or mix "
+                                 f"with (newest: {clash[-1]}); resume from them with --resume {clash[-1]}, or choose an empty directory")
+    except SystemExit as e:
+        error = str(e)
+    agree(error)
     return where, manifest, start, end, ckpt_dir
 
 def saved_pieces(where, manifest):
@@ -531,7 +570,7 @@ def saved_pieces(where, manifest):
             yield name, lo, hi, {k: shard[k][at:at + hi - lo] for k in STATE}
             at += hi - lo
 
-def load_checkpoint(where, manifest, engine):
+def load_checkpoint(where, manifest, engine, device):
     """Fill this rank's pieces from the saved ones, whatever stage and world size saved them; return the step."""
     wanted = defaultdict(list)
     for name, lo, hi, views in engine.state_pieces():
@@ -550,8 +589,8 @@ def load_checkpoint(where, manifest, engine):
     if manifest["world_size"] > rank:  # the same rank's random state, where there is one (the training uses none)
         shard = torch.load(os.path.join(where, manifest["shards"][rank]["file"]), mmap=True, weights_only=True)
         torch.set_rng_state(shard["rng"])
-        if shard["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(shard["cuda_rng"])
+        if shard["cuda_rng"] is not None and device.type == "cuda":  # (on a CPU run, touching CUDA makes a context)
+            torch.cuda.set_rng_state(shard["cuda_rng"], device)
     engine.resume(manifest["step"])
     return manifest["step"]
 
@@ -622,6 +661,7 @@ def parse_args(Engine):
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--save_master", default=None, help="write the final fp32 parameters here (torch.save, rank 0)")
     p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write a profiler timeline of one step per rank here")
     p.add_argument("--ckpt_dir", default=None, help="save checkpoints here: every --save_every steps and at the end")
     p.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--stop_after", type=int, default=None, help="stop after this step, as if interrupted; the "
@@ -818,6 +858,8 @@ def main(Engine, stage, distributed=True, formula=None):
     theory = model_state_theory(formula or stage, engine.padded_numel, world_size, param_bytes, grad_shards)
     comm_th = comm_theory(formula or stage, engine.padded_numel, world_size, param_bytes, args.grad_accum)
     host = host_categories(formula or stage, getattr(args, "offload_params", False))
+    pinned_th = pinned_theory(formula or stage, engine.padded_numel, world_size, param_bytes, getattr(args, "offload_params", False),
+                              getattr(args, "delayed_update", False)) if device.type == "cuda" else 0  # nothing pinned without CUDA
     if rank == 0:
         print(f"{stage}: {n_params:,} parameters (Ψ), padded to {engine.padded_numel:,}; {world_size} rank(s) on {device.type}; "
               f"model states per rank {formula_text(formula or stage, param_bytes, grad_shards)} = "
@@ -825,7 +867,7 @@ def main(Engine, stage, distributed=True, formula=None):
 
     losses, grad_norms, val_losses, step_times = [], [], [], []
     if manifest:
-        start = load_checkpoint(where, manifest, engine)
+        start = load_checkpoint(where, manifest, engine, device)
         losses, grad_norms, val_losses = manifest["losses"], manifest["grad_norms"], [tuple(v) for v in manifest["val_losses"]]
         if rank == 0:
             print(f"{stage}: resumed from {where} (saved by {manifest['stage']} on {manifest['world_size']} rank(s)) at step {start}")
@@ -852,13 +894,19 @@ def main(Engine, stage, distributed=True, formula=None):
         for k in range(args.grad_accum):
             x, y = data.batch("train", args.seed * 1_000_003 + step, args.batch_size, k * world_size + rank,
                               world_size * args.grad_accum, device)
-            loss = engine.forward(x, y)
-            engine.backward(loss / args.grad_accum, sync=(k == args.grad_accum - 1))
+            with torch.profiler.record_function("forward"):  # (marks for --trace; nearly free without a profiler)
+                loss = engine.forward(x, y)
+            with torch.profiler.record_function("backward"):
+                engine.backward(loss / args.grad_accum, sync=(k == args.grad_accum - 1))
             loss_sum += loss.detach().float() / args.grad_accum
         if step == measure_step:  # what this rank holds when the optimizer runs: the paper's model states
-            states.update({k: storage_bytes(v) for k, v in engine.model_states().items()})
-            other["live"] = live_tensor_bytes(device)  # beyond model states and data: buffers in flight, leaks
-        grad_norm = engine.step(lr_at(step, args))
+            held = engine.model_states()
+            states.update({k: storage_bytes(v) for k, v in held.items()})
+            on_device = [t for t in sum(held.values(), []) + [data.train, data.val] if t.device.type == device.type]
+            other["live"] = live_tensor_bytes(device) - storage_bytes(on_device)  # the rest: buffers in flight, leaks
+            other["pinned"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) if device.type == "cuda" else 0
+        with torch.profiler.record_function("step"):
+            grad_norm = engine.step(lr_at(step, args))
         sent = dict(comm.sent)
         if distributed:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
@@ -868,8 +916,10 @@ def main(Engine, stage, distributed=True, formula=None):
     for step in bar:
         t0 = time.perf_counter()
         comm.sent.clear()
+        traced = args.trace and step == measure_step + 1  # a steady step, apart from the measured one
         try:
-            with PeakMemory(device) if step == measure_step else contextlib.nullcontext() as meter:
+            with PeakMemory(device) if step == measure_step else contextlib.nullcontext() as meter, \
+                    timeline(args.trace, rank, device) if traced else contextlib.nullcontext():
                 loss, grad_norm, sent = train_step(step)
         except NonFiniteGradNorm as e:  # every rank meets it at the same step: the norm is global
             kept = f"; the checkpoints in {ckpt_dir} are intact" if ckpt_dir else ""
@@ -877,7 +927,7 @@ def main(Engine, stage, distributed=True, formula=None):
                  f"(it is {args.lr}) or --warmup's start, or check --data", rank)
         if meter:
             peak, comm_sent = meter.peak, sent
-        else:
+        elif not traced:
             step_times.append(time.perf_counter() - t0)
         losses.append(loss)
         grad_norms.append(grad_norm)
@@ -891,7 +941,7 @@ def main(Engine, stage, distributed=True, formula=None):
         if ckpt_dir and (step + 1 == end or args.save_every and (step + 1) % args.save_every == 0):
             save_checkpoint(ckpt_dir, engine, step + 1, dict(
                 stage=stage, config=vars(cfg), chars="".join(data.chars), losses=losses, grad_norms=grad_norms,
-                val_losses=val_losses, params={n: list(p.shape) for n, p in model.named_parameters()}))
+                val_losses=val_losses, params={n: list(p.shape) for n, p in model.named_parameters()}), device)
 
     per_rank, peaks = zip(*everyone((states, peak)))  # every rank's model states and peak, for the table
     stopped = end < args.steps
@@ -906,7 +956,7 @@ def main(Engine, stage, distributed=True, formula=None):
                        losses=losses, grad_norms=grad_norms, val_losses=val_losses,
                        val_loss=val_losses[-1][1] if val_losses else None, steps_done=end, resumed_from=start,
                        unigram_loss=data.unigram_loss, tokens_per_s=tokens_per_s, peak_memory_bytes=peak,
-                       other_tensor_bytes=other["live"] - sum(states.values()) - storage_bytes([data.train, data.val]),
+                       other_tensor_bytes=other["live"], pinned_host_bytes={"measured": other["pinned"], "theory": pinned_th},
                        model_state_bytes={k: {"measured": states.get(k, 0), "theory": theory[k],
                                               "where": "host" if k in host else "device"} for k in theory},
                        model_state_bytes_per_rank=list(per_rank), peak_memory_bytes_per_rank=list(peaks),
@@ -917,6 +967,9 @@ def main(Engine, stage, distributed=True, formula=None):
         print(f"{stage}: val loss {val} (unigram {data.unigram_loss:.3f}), {tokens_per_s:,.0f} tokens/s")
         print(memory_table(f"{stage}, {args.dtype}, {formula_text(formula or stage, param_bytes, grad_shards)}", per_rank,
                            peaks, theory, host, comm_sent, comm_th))
+        if pinned_th:
+            print(f"pinned host memory {other['pinned'] / 2**20:.2f} MiB (theory {pinned_th / 2**20:.2f}: PyTorch rounds "
+                  f"each pinned allocation up to a power of two)")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=1)

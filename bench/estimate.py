@@ -15,7 +15,11 @@ of collectives, stage 3's working set (the gathered parameters of the unit in us
 allocator's fragmentation, the CUDA context. Sharded stages pad Ψ to a multiple of N, as the stage files do.
 ZeRO-Offload ("offload": stage 3's partitioning) keeps gradients, master weights and Adam moments in CPU memory, and
 with --offload_params the parameters too: "host" is that CPU memory, per rank and per node (ranks per node x per
-rank). DeepSpeed's own estimator multiplies CPU memory by a 1.5 safety factor; this one does not.
+rank). "host used" is what a rank allocates there with CUDA: the buffers device-host copies touch (gradient shard,
+a second one with --delayed_update, the staging buffer of updated parameters, the parameter shard with
+--offload_params) are pinned, and PyTorch's pinned-memory cache rounds each allocation up to a power of two: up to
+twice their size (train_gpt.pinned_theory). DeepSpeed's own estimator multiplies CPU memory by a 1.5 safety factor;
+this one does not.
 """
 import argparse, math, os, sys
 
@@ -23,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from train_gpt import GPT, GPTConfig, PRESETS, host_categories, model_state_theory  # THE formulas: one definition
+from train_gpt import GPT, GPTConfig, PRESETS, host_categories, model_state_theory, pinned_theory  # THE formulas
 
 STAGES = ["stage0", "stage1", "stage2", "stage3", "offload"]
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -53,14 +57,19 @@ def padded(n_params, stage, world_size):
     return n_params if stage == "stage0" else math.ceil(n_params / world_size) * world_size
 
 
-def estimate(n_params, world_size, param_bytes=2, offload_params=False, gpus_per_node=None):
-    """{stage: {"by_category", "device", "host", "host_per_node", "total"}} in bytes per rank (host_per_node: per node)."""
+def estimate(n_params, world_size, param_bytes=2, offload_params=False, gpus_per_node=None, delayed_update=False):
+    """{stage: {"by_category", "device", "host", "host_used", "host_per_node", "total"}} in bytes per rank
+    (host_per_node: per node; host_used: host memory allocated with CUDA, pinned buffers as PyTorch rounds them)."""
     out = {}
     for stage in STAGES:
-        by_cat = model_state_theory(stage, padded(int(n_params), stage, world_size), world_size, param_bytes)
+        n = padded(int(n_params), stage, world_size)
+        grad_shards = 1 + (delayed_update and stage == "offload")  # the delayed update's second gradient shard
+        by_cat = model_state_theory(stage, n, world_size, param_bytes, grad_shards)
         on_host = host_categories(stage, offload_params)
         host = sum(v for k, v in by_cat.items() if k in on_host)
+        pageable = sum(v for k, v in by_cat.items() if k in on_host and k not in ("grads", "params"))  # no copy touches them
         out[stage] = dict(by_category=by_cat, device=sum(by_cat.values()) - host, host=host,
+                          host_used=pageable + pinned_theory(stage, n, world_size, param_bytes, offload_params, delayed_update),
                           host_per_node=host * (gpus_per_node or world_size), total=sum(by_cat.values()))
     return out
 
@@ -89,23 +98,26 @@ def fmt_params(n):
     return str(int(n))
 
 
-def report(n_params, world_size, param_bytes, offload_params, gpus_per_node, nodes, unit, gpu_mem=None, host_mem=None):
+def report(n_params, world_size, param_bytes, offload_params, gpus_per_node, nodes, unit, gpu_mem=None, host_mem=None,
+           delayed_update=False):
     scale, uname = (2**30, "GiB") if unit == "GiB" else (1e9, "GB")
-    est = estimate(n_params, world_size, param_bytes, offload_params, gpus_per_node)
+    est = estimate(n_params, world_size, param_bytes, offload_params, gpus_per_node, delayed_update)
     where = (f"{nodes} node(s) x {gpus_per_node} GPU(s)" if nodes else
              f"{world_size} rank(s); host/node assumes ONE node of {world_size} ranks: give --nodes and --gpus_per_node")
     lines = [f"Model states per rank, Ψ = {n_params:,} ({fmt_params(n_params)}) parameters, N = {world_size} ({where}), "
              f"{param_bytes}-byte params/grads + 12 bytes fp32 master/Adam; in {uname} ({'2^30' if unit == 'GiB' else '1e9'} bytes)",
-             "(model states only: no activations, no collective buffers, no stage-3 working set)", "",
-             f"| stage | params | grads | master+adam_m+adam_v | device/rank | host/rank | host/node | total/rank |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "(model states only: no activations, no collective buffers, no stage-3 working set; host used: with CUDA, "
+             "the staging buffer too, and each pinned buffer rounded up to a power of two)", "",
+             f"| stage | params | grads | master+adam_m+adam_v | device/rank | host/rank | host used/rank | host/node | total/rank |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for stage, r in est.items():
         c, on_host = r["by_category"], host_categories(stage, offload_params)
         cell = lambda v, host: f"{v / scale:,.3g}" + (" (host)" if host else "")
         name = stage + (" (+params)" if stage == "offload" and offload_params else "")
         lines.append(f"| {name} | {cell(c['params'], 'params' in on_host)} | {cell(c['grads'], 'grads' in on_host)} | "
                      f"{cell(c['master'] + c['adam_m'] + c['adam_v'], 'master' in on_host)} | {r['device'] / scale:,.3g} | "
-                     f"{r['host'] / scale:,.3g} | {r['host_per_node'] / scale:,.3g} | {r['total'] / scale:,.3g} |")
+                     f"{r['host'] / scale:,.3g} | {r['host_used'] / scale:,.3g} | {r['host_per_node'] / scale:,.3g} | "
+                     f"{r['total'] / scale:,.3g} |")
     if gpu_mem:
         fit = largest_model(gpu_mem * scale, world_size, param_bytes, offload_params,
                             host_mem * scale if host_mem else None, gpus_per_node)
@@ -146,6 +158,7 @@ def main(argv=None):
     p.add_argument("--gpus_per_node", type=int, help="ranks per node (host memory per node = this x host per rank)")
     p.add_argument("--dtype", default="bf16", choices=sorted(PARAM_BYTES), help="parameters and gradients (default bf16)")
     p.add_argument("--offload_params", action="store_true", help="ZeRO-Offload also keeps the parameters' shard on the host")
+    p.add_argument("--delayed_update", action="store_true", help="ZeRO-Offload's delayed update: a second gradient shard on the host")
     p.add_argument("--gpu_mem", type=float, help="device memory per rank, in GB (GiB with --gib): print the largest model that fits")
     p.add_argument("--host_mem", type=float, help="host memory per node, in GB (GiB with --gib): a limit for offload")
     p.add_argument("--gib", action="store_true", help="print GiB (2^30 bytes) instead of GB (1e9, the paper's unit)")
@@ -180,7 +193,8 @@ def main(argv=None):
     else:
         n_params = preset_params(a.preset, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,
                                  block_size=a.block_size, vocab_size=a.vocab_size)
-    print(report(n_params, world_size, PARAM_BYTES[a.dtype], a.offload_params, gpn, nodes, unit, a.gpu_mem, a.host_mem))
+    print(report(n_params, world_size, PARAM_BYTES[a.dtype], a.offload_params, gpn, nodes, unit, a.gpu_mem, a.host_mem,
+                 a.delayed_update))
     return 0
 
 

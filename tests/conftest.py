@@ -1,7 +1,9 @@
 """Shared machinery for the tests: run a stage on N ranks (CPU, gloo), once per configuration, and read what it
 wrote. `pytest tests --stage path/to/my_stage2.py` runs the stage checks against any file that implements a stage.
 Ranks are started the way torchrun starts them on one node, without torchrun's agent process (1.5 s a run here);
-`pytest tests --torchrun` starts every run under torchrun itself. The tests of killed ranks always use torchrun."""
+`pytest tests --torchrun` starts every run under torchrun itself. The tests of killed ranks always use torchrun.
+The runs see no GPU (CUDA_VISIBLE_DEVICES=""), so the suite checks the CPU path alike on any machine; `pytest tests
+--gpu` adds tests/test_gpu.py, which runs on the GPUs (gpu_runner)."""
 import json
 import os
 import subprocess
@@ -23,6 +25,7 @@ def pytest_addoption(parser):
     parser.addoption("--stage", action="append", default=[], metavar="FILE",
                      help="a file implementing a stage, to test instead of the repository's stages (repeatable)")
     parser.addoption("--torchrun", action="store_true", help="start every multi-rank run under torchrun")
+    parser.addoption("--gpu", action="store_true", help="also run tests/test_gpu.py on this machine's CUDA GPUs")
 
 
 def stage_files(config):
@@ -58,8 +61,8 @@ class Run:
 class Runner:
     """Runs training scripts in subprocesses, each configuration once per test session."""
 
-    def __init__(self, tmp, torchrun=False):
-        self.tmp, self.cache, self.help, self.torchrun = tmp, {}, {}, torchrun
+    def __init__(self, tmp, torchrun=False, gpu=False):
+        self.tmp, self.cache, self.help, self.torchrun, self.gpu = tmp, {}, {}, torchrun, gpu
 
     def options(self, script):
         """The script's source, to pass stage-specific options (such as --bucket_mb) only where they exist."""
@@ -67,25 +70,27 @@ class Runner:
             self.help[script] = Path(script).read_text()
         return self.help[script]
 
-    def env(self):
-        return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    def env(self, extra=None):
+        """The runs' environment: GPUs hidden unless this runner is the GPU suite's; `extra` on top."""
+        hide = {} if self.gpu else {"CUDA_VISIBLE_DEVICES": ""}
+        return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **hide, **(extra or {})}
 
     def command(self, script, nproc, args):
         if nproc is None:
             return [sys.executable, script, *args]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
 
-    def run(self, script, nproc, *args):
-        """Train; return the JSON summary and the final fp32 parameters rank 0 wrote."""
-        key = (script, nproc, args)
+    def run(self, script, nproc, *args, env=None):
+        """Train (with `env` added to the environment); return the JSON summary and the final fp32 parameters rank 0 wrote."""
+        key = (script, nproc, args, tuple(sorted((env or {}).items())))
         if key not in self.cache:
             tag = f"{Path(script).stem}_{nproc}_{len(self.cache)}"
             out, master = self.tmp / f"{tag}.json", self.tmp / f"{tag}.pt"
             cmd = self.command(script, nproc, [*args, "--out", str(out), "--save_master", str(master)])
             if nproc is None or self.torchrun:
-                p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=self.env(), timeout=900)
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=self.env(env), timeout=900)
             else:
-                p = self.spawn(script, nproc, [*args, "--out", str(out), "--save_master", str(master)])
+                p = self.spawn(script, nproc, [*args, "--out", str(out), "--save_master", str(master)], env)
             if p.returncode != 0 or not out.exists() or not master.exists():
                 self.cache[key] = (f"this run failed (exit code {p.returncode}):\n  {' '.join(cmd)}\n--- its last output ---\n"
                                    + "\n".join(last_lines(p.stdout + p.stderr, 25)))
@@ -95,17 +100,17 @@ class Runner:
             pytest.fail(self.cache[key], pytrace=False)
         return self.cache[key]
 
-    def spawn(self, script, nproc, args, timeout=900):
+    def spawn(self, script, nproc, args, env=None, timeout=900):
         """What torchrun does on one node: N ranks with the environment torch.distributed reads (RANK, WORLD_SIZE,
         LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and the whole job stopped as soon as one rank fails."""
         port = free_port()
         procs, outs = [], []
         for rank in range(nproc):
-            env = dict(self.env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            rank_env = dict(self.env(env), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             outs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))  # files, not pipes: never full
             procs.append(subprocess.Popen([sys.executable, script, *args], stdout=outs[-1][0], stderr=outs[-1][1],
-                                          text=True, cwd=ROOT, env=env))
+                                          text=True, cwd=ROOT, env=rank_env))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             if any(p.returncode for p in procs) or time.monotonic() > deadline:
@@ -123,7 +128,7 @@ class Runner:
     def launch(self, script, nproc, *args, env=None):
         """Run once, uncached and unchecked (for runs meant to fail); return the finished process."""
         cmd = self.command(script, nproc, list(args))
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**self.env(), **(env or {})}, timeout=900)
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=self.env(env), timeout=900)
 
 
 @pytest.fixture(scope="session")

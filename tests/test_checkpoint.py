@@ -1,6 +1,9 @@
 """Checkpoints lose nothing: a run stopped and resumed equals the run that never stopped, bit for bit, at every stage;
 a checkpoint saved by stage 3 on 4 ranks continues under stage 1 on 2; a rank killed mid-step or mid-save costs only
-the steps since the last complete checkpoint; damaged or mismatched checkpoints are refused with a one-line error."""
+the steps since the last complete checkpoint; damaged or mismatched checkpoints are refused with a one-line error;
+ranks whose views of the checkpoint directory differ still resume one checkpoint, rank 0's, and refuse together; a
+CPU run touches no CUDA state."""
+import argparse
 import hashlib
 import json
 import shutil
@@ -12,7 +15,7 @@ import torch
 
 from conftest import ROOT
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference, train  # noqa: F401
-from train_gpt import GPTConfig, CharData, load_text, open_checkpoint
+from train_gpt import GPT, GPTConfig, CharData, SingleDeviceEngine, load_checkpoint, load_text, open_checkpoint, save_checkpoint
 
 STOP = ["--stop_after", "3"]  # TRAIN has 6 steps: stop after 3, resume for the other 3
 
@@ -181,6 +184,66 @@ def test_bad_resume_from_the_command_line_writes_nothing(runner, good, tmp_path)
     p = runner.launch(ref, None, *MODEL, *TRAIN, "--resume", str(step_dir))
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode != 0 and "the shards do not match the manifest" in last and "elements" in last, p.stderr[-2000:]
+
+
+# ---- several nodes: each rank reads the checkpoint directory through its own view of a shared file system, and a
+# view can lag (attribute and directory caching). Simulated here by hiding the newest checkpoint from one rank.
+
+LAGGING = '''
+import os
+import sys
+sys.path.insert(0, {root!r})
+import train_gpt
+from stage2 import ZeRO2Engine
+
+if os.environ["RANK"] == {rank!r}:  # this rank's view of the checkpoint directory lags: its newest entry is not there yet
+    listed = train_gpt.complete_checkpoints
+    train_gpt.complete_checkpoints = lambda ckpt_dir: listed(ckpt_dir)[:-1]
+train_gpt.main(ZeRO2Engine, stage="stage2")
+'''
+
+
+def lagging(tmp_path, rank):
+    script = tmp_path / f"stage2_rank{rank}_lags.py"
+    script.write_text(LAGGING.format(root=str(ROOT), rank=str(rank)))
+    return str(script)
+
+
+def test_a_rank_that_sees_another_newest_checkpoint_resumes_rank_0s(runner, tmp_path):
+    """Checkpoints at steps 2 and 4; rank 1 sees only step 2. Both resume step 4, rank 0's choice, and the run equals
+    the uninterrupted one (each rank picking its own newest would resume two different steps)."""
+    stage2, ckpt = str(ROOT / "stage2.py"), str(tmp_path / "ckpt")
+    runner.run(stage2, 2, *MODEL, *TRAIN, "--bucket_mb", "0.02", "--save_every", "2", "--stop_after", "4", "--ckpt_dir", ckpt)
+    resumed = runner.run(lagging(tmp_path, 1), 2, *MODEL, *TRAIN, "--bucket_mb", "0.02", "--resume", ckpt)
+    assert resumed.summary["resumed_from"] == 4, resumed.stdout
+    assert_same_run(train(runner, stage2, 2), resumed, "stage 2 resumed while rank 1 saw only an older checkpoint")
+
+
+def test_a_refusal_seen_by_one_rank_stops_every_rank(runner, tmp_path):
+    """--ckpt_dir holding another run's checkpoint, which rank 0 does not see yet: rank 1 refuses, and rank 0 stops
+    with the same line (a lone exit would leave rank 0 waiting in its next collective)."""
+    ckpt = str(tmp_path / "ckpt")
+    runner.run(str(ROOT / "stage2.py"), 2, *MODEL, *TRAIN, "--bucket_mb", "0.02", "--stop_after", "1", "--ckpt_dir", ckpt)
+    p = runner.spawn(lagging(tmp_path, 0), 2, [*MODEL, *TRAIN, "--bucket_mb", "0.02", "--ckpt_dir", ckpt])
+    refusals = [ln for ln in p.stderr.splitlines() if ln.startswith("error: --ckpt_dir") and "already holds" in ln]
+    assert p.returncode != 0 and len(refusals) == 2, f"expected the refusal from both ranks:\n{p.stderr[-2000:]}"
+
+
+def test_cpu_run_leaves_cuda_alone(tmp_path, monkeypatch):
+    """A run on the CPU saves and restores no CUDA random state, even where CUDA is available: that would create a
+    CUDA context on GPU 0 in every rank. A run on CUDA saves and restores it."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": calls.append("get") or torch.zeros(8, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": calls.append("set"))
+    cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
+    engine = SingleDeviceEngine(GPT(cfg), argparse.Namespace(), torch.device("cpu"))
+    meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[], params={})
+    for device, expected in ((torch.device("cpu"), []), (torch.device("cuda"), ["get", "set"])):
+        calls.clear()
+        where = save_checkpoint(str(tmp_path / device.type), engine, 1, meta, device)
+        load_checkpoint(*open_checkpoint(where, cfg, list("abcde")), engine, device)
+        assert calls == expected, f"a run on {device.type}: CUDA random state calls {calls}, expected {expected}"
 
 
 if __name__ == "__main__":

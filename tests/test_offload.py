@@ -1,12 +1,16 @@
 """offload.py beyond the checks every stage gets (test_stages.py runs those on it too): the parameter shard offloaded
 as well, the one-step-delayed update against a reference that applies each update one step late, and where each
-model state lives."""
+model state lives; every mode again on a simulated asynchronous device, where a missing wait changes the numbers;
+every device-host copy's host end allocated to be pinned; and a failed background update stopping the run."""
+import shutil
+
 import pytest
 
 from conftest import ROOT
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference  # noqa: F401
 
 OFFLOAD = str(ROOT / "offload.py")
+SIMULATED = {"ZERO_SIMULATED_STREAM": "1"}  # Copies' simulated stream: a copy lands when a wait covers it
 
 DELAYED_REFERENCE = '''
 import sys
@@ -29,14 +33,18 @@ main(DelayedReference, stage="reference", distributed=False)
 '''
 
 
+def assert_same_training(expected, got, where):
+    k = first_difference(expected.summary["losses"], got.summary["losses"], LOSS_ATOL)
+    assert k is None, (f"{where}: loss at step {k} is {got.summary['losses'][k]:.7f}, its reference has "
+                       f"{expected.summary['losses'][k]:.7f}")
+    compare_params(expected.master, got.master, where)
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_offload_params_parity_and_placement(runner, reference, nproc):
     run = runner.run(OFFLOAD, nproc, *MODEL, *TRAIN, "--offload_params")
-    s = run.summary
-    k = first_difference(reference.summary["losses"], s["losses"], LOSS_ATOL)
-    assert k is None, f"offload --offload_params at N={nproc}: loss at step {k} differs from the reference"
-    compare_params(reference.master, run.master, f"offload --offload_params at N={nproc}")
-    for category, v in s["model_state_bytes"].items():
+    assert_same_training(reference, run, f"offload --offload_params at N={nproc}")
+    for category, v in run.summary["model_state_bytes"].items():
         assert v["measured"] == v["theory"], f"{category}: measured {v['measured']:,}, formula {v['theory']:,}"
         assert v["where"] == "host", f"with --offload_params every model state lives on the host; {category} does not"
 
@@ -47,17 +55,17 @@ def test_default_placement(runner):
     assert where == {"params": "device", "grads": "host", "master": "host", "adam_m": "host", "adam_v": "host"}, where
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_delayed_update_is_exactly_one_step_stale(runner, tmp_path_factory, nproc):
+@pytest.fixture(scope="module")
+def delayed_reference(runner, tmp_path_factory):
     script = tmp_path_factory.mktemp("delayed") / "delayed_reference.py"
     script.write_text(DELAYED_REFERENCE.format(root=str(ROOT)))
-    expected = runner.run(str(script), None, *MODEL, *TRAIN)
+    return runner.run(str(script), None, *MODEL, *TRAIN)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_delayed_update_is_exactly_one_step_stale(runner, delayed_reference, nproc):
     got = runner.run(OFFLOAD, nproc, *MODEL, *TRAIN, "--delayed_update")
-    where = f"offload --delayed_update at N={nproc}"
-    k = first_difference(expected.summary["losses"], got.summary["losses"], LOSS_ATOL)
-    assert k is None, (f"{where}: loss at step {k} is {got.summary['losses'][k]:.7f}, a reference updated one step late "
-                       f"has {expected.summary['losses'][k]:.7f}")
-    compare_params(expected.master, got.master, where)
+    assert_same_training(delayed_reference, got, f"offload --delayed_update (against a reference updated one step late) at N={nproc}")
 
 
 def test_delayed_update_differs_from_exact(runner, reference):
@@ -75,3 +83,99 @@ def test_delayed_update_second_gradient_shard_is_in_the_formula(runner):
     for category, v in s["model_state_bytes"].items():
         assert v["measured"] == v["theory"], f"{category}: measured {v['measured']:,}, formula {v['theory']:,}"
     assert s["model_state_bytes"]["grads"]["theory"] == 2 * s["model_state_bytes"]["params"]["theory"]
+
+
+# ---- a simulated asynchronous device: on CPU, Copies' copies are plain and synchronous, so a missing wait would not
+# show; with ZERO_SIMULATED_STREAM=1 a copy lands only when a wait on an event covering it comes, reading its source
+# then, as a CUDA copy stream may. A missing wait, or a buffer reused before its copy has landed, changes the numbers.
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("mode", ["plain", "offload_params", "delayed_update"])
+def test_simulated_stream_parity(runner, reference, delayed_reference, mode, nproc):
+    """Every mode, with --grad_accum 2 (TRAIN's), equals its reference when copies land only at the waits."""
+    got = runner.run(OFFLOAD, nproc, *MODEL, *TRAIN, *([] if mode == "plain" else [f"--{mode}"]), env=SIMULATED)
+    expected = delayed_reference if mode == "delayed_update" else reference
+    assert_same_training(expected, got, f"offload ({mode}) on the simulated stream at N={nproc}")
+
+
+def broken_offload(tmp_path, old, new):
+    """offload.py with `old` replaced by `new`, beside a copy of the cpu_adam.cpp it builds."""
+    source = (ROOT / "offload.py").read_text()
+    assert source.count(old) == 1, f"offload.py no longer contains {old!r} once: update this test"
+    shutil.copy(ROOT / "cpu_adam.cpp", tmp_path / "cpu_adam.cpp")
+    path = tmp_path / "offload.py"
+    path.write_text(source.replace(old, new))
+    return str(path)
+
+
+@pytest.mark.parametrize("wait, flags", [
+    ("self.copies.host_waits(self.grads_on_host)", []),  # the step would read gradients still on their way down
+    ("self.copies.host_waits(self.copies.event())  # for the next forward", ["--delayed_update"]),  # and staging rewritten
+], ids=["gradients", "delayed_parameters"])
+def test_simulated_stream_catches_a_missing_wait(runner, reference, delayed_reference, tmp_path, wait, flags):
+    """Without one of its waits, offload.py still matches its reference on plain CPU copies (they are synchronous: the
+    mistake is invisible there), and no longer does on the simulated stream."""
+    path = broken_offload(tmp_path, wait, "pass  # the wait removed")
+    expected = delayed_reference if flags else reference
+    assert_same_training(expected, runner.run(path, 1, *MODEL, *TRAIN, *flags), "plain CPU copies, a wait removed")
+    got = runner.run(path, 1, *MODEL, *TRAIN, *flags, env=SIMULATED)
+    assert first_difference(expected.summary["losses"], got.summary["losses"], LOSS_ATOL) is not None, (
+        f"the simulated stream did not catch the removed wait {wait!r}: the losses still match the reference")
+
+
+def test_host_buffer_not_from_copies_host_is_refused(runner, tmp_path):
+    """A gradient shard made with zeros_like (pageable on CUDA: the copy would block the host) is refused, in one line."""
+    path = broken_offload(tmp_path, "self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)",
+                          "self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)")
+    p = runner.launch(path, None, *MODEL, *TRAIN)
+    assert p.returncode != 0 and "host end must come from Copies.host()" in p.stderr, p.stderr[-2000:]
+
+
+# ---- --delayed_update: an exception in the update's thread stops the run, in the main thread, with one line
+
+def assert_stops_with_one_line(p, expected=""):
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode != 0, f"the run exited 0:\n{p.stderr[-2000:]}"
+    assert "Traceback" not in p.stderr and len(errors) == 1 and expected in errors[0], p.stderr[-2000:]
+
+
+def test_delayed_update_nan_stops_the_run(runner):
+    """lr 1e30: the weights blow up, the gradient norm is NaN, and the update fails: the run must not go on."""
+    p = runner.launch(OFFLOAD, None, "--preset", "tiny", "--steps", "6", "--delayed_update", "--lr", "1e30",
+                      "--warmup", "1", "--no_progress", "--sample_chars", "0")
+    assert_stops_with_one_line(p)
+
+
+INJECTED = '''
+import sys
+sys.path.insert(0, {root!r})
+import offload
+
+
+class FailingAdam:
+    """The C++ AdamW, failing halfway through step 3's update, after one bucket's shard of it."""
+    def __init__(self, adam):
+        self.adam, self.calls = adam, 0
+
+    def adam_step(self, *args):
+        self.calls += args[5] == 3  # args[5]: the step
+        if self.calls == 2:
+            raise RuntimeError("injected failure halfway through the update of step 3")
+        return self.adam.adam_step(*args)
+
+
+def init(self, *args, original=offload.OffloadEngine.__init__):
+    original(self, *args)
+    self.adam = FailingAdam(self.adam)
+
+
+offload.OffloadEngine.__init__ = init
+offload.main(offload.OffloadEngine, stage="offload")
+'''
+
+
+def test_delayed_update_failure_in_its_thread_stops_the_run(runner, tmp_path):
+    script = tmp_path / "failing_update.py"
+    script.write_text(INJECTED.format(root=str(ROOT)))
+    p = runner.launch(str(script), None, *MODEL, *TRAIN, "--delayed_update")
+    assert_stops_with_one_line(p, "RuntimeError: injected failure halfway through the update of step 3")

@@ -36,17 +36,17 @@ def reference(runner):
     return ref
 
 
-def compare_params(expected, got, where):
+def compare_params(expected, got, where, bulk_rtol=BULK_RTOL, bulk_share=BULK_SHARE, atol_any=ATOL_ANY):
     for name, e in expected.items():
         assert name in got, f"{where}: parameter {name} is missing from the final parameters"
         g = got[name]
         assert g.shape == e.shape, f"{where}: parameter {name} has shape {tuple(g.shape)}, expected {tuple(e.shape)}"
         diff = (g - e).abs()
-        bulk = (diff <= BULK_RTOL * e.abs().max()).float().mean().item()
-        if bulk < BULK_SHARE or diff.max() > ATOL_ANY:
+        bulk = (diff <= bulk_rtol * e.abs().max()).float().mean().item()
+        if bulk < bulk_share or diff.max() > atol_any:
             i = tuple(int(j) for j in torch.unravel_index(diff.argmax(), diff.shape))
             pytest.fail(f"{where}: parameter {name}{list(i)} is {g[i]:.8g}, expected {e[i]:.8g} (|diff| {diff[i]:.2e}); "
-                        f"{100 * (1 - bulk):.2f}% of its elements differ by more than {BULK_RTOL} x its largest value",
+                        f"{100 * (1 - bulk):.2f}% of its elements differ by more than {bulk_rtol} x its largest value",
                         pytrace=False)
 
 
@@ -104,8 +104,11 @@ def test_freed_what_the_stage_promises(runner, stage_file, nproc):
     gradient (it would be n_params x 4 bytes); stage 3: no gathered parameters either."""
     s = train(runner, stage_file, nproc).summary
     full_gradient = s["n_params"] * 4
+    # offload.py also keeps a staging buffer for its updated parameters (Ψ'/N elements) in host memory, which on a CPU
+    # is the device's memory too: counted here, it is allowed for
+    staging = s["padded_numel"] // nproc * 4 if s["stage"] == "offload" else 0
     if s["stage"] in ("stage2", "stage3", "offload"):
-        assert s["other_tensor_bytes"] < 0.25 * full_gradient, (
+        assert s["other_tensor_bytes"] < 0.25 * full_gradient + staging, (
             f"{s['stage']} at N={nproc}: {s['other_tensor_bytes']:,} bytes of tensors beyond model states after backward "
             f"(a full gradient is {full_gradient:,}): memory of the full gradient, or gathered parameters, still held")
 

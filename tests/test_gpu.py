@@ -1,0 +1,210 @@
+"""The GPU suite, opt-in: `python -m pytest tests --gpu` on a machine with CUDA GPUs. Every stage and offload.py (plain,
+--offload_params, --delayed_update) trains on CUDA with NCCL at N = 1 and at the number of GPUs present (up to 4),
+and is checked against the CUDA single-process reference, against its ledgers (device and host apart), and, from a
+profiler timeline, for the overlap each stage exists for. Without --gpu, or without CUDA, every test here skips
+(except the timeline reader's own test, which runs anywhere). Each check says which PyTorch documentation backs it.
+
+No one has run this suite on a GPU yet: the tolerances below are reasoned, not measured. If a check fails by a
+small margin, record the differences measured beside the tolerance before widening it."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, STAGES, Runner
+from test_offload import DELAYED_REFERENCE
+from test_stages import BUCKETS, MODEL, TRAIN, compare_params, first_difference
+from train_gpt import host_categories, pinned_theory
+
+CUDA = ["--device", "cuda"]
+GPU_TRAIN = [*TRAIN, "--batch_size", "24"]  # TRAIN's, with a global batch that N x grad_accum divides for N = 1 to 4
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NPROCS = sorted({1, min(GPUS, 4)} - {0}) or [1]
+RUNS = {Path(f).stem: (f, []) for f in STAGES} | {"offload_params": ("offload.py", ["--offload_params"]),
+                                                  "delayed_update": ("offload.py", ["--delayed_update"])}
+# TF32 stays off: torch.backends.cuda.matmul.allow_tf32 is False by default (PyTorch >= 1.12, "TensorFloat-32 (TF32)
+# on Ampere (and later) devices" in the CUDA semantics notes), and NVIDIA_TF32_OVERRIDE=0 keeps cuBLAS and cuDNN from
+# choosing it whatever a library sets. So every matmul here is true fp32, as on the CPU.
+ENV = {"NVIDIA_TF32_OVERRIDE": "0"}
+
+# Tolerances, ten times the CPU suite's (test_stages.py: 2e-6, 1e-5, 1e-6, 1e-5). The notes "Numerical accuracy"
+# (floating-point addition is not associative; "batched computations or slice computations" need not be bitwise equal
+# to the same math done another way) and "Reproducibility" (results may differ between CPU and GPU, and some CUDA
+# kernels, such as those using atomicAdd, are nondeterministic) say why a GPU differs more: with N ranks each GPU
+# multiplies a batch N times smaller, for which cuBLAS may pick another kernel (another reduction order, split-K);
+# NCCL sums over ranks in its own order; attention's backward may accumulate with atomics. Each difference is a few
+# ulps of fp32, but 6 steps of Adam carry them along, and Adam turns rounding noise in a near-zero gradient into a
+# step of up to lr. Ten times the CPU's margin keeps a real mistake visible: a gradient summed instead of averaged
+# moves the norm by a factor N, a lost micro-step by one half.
+LOSS_ATOL, NORM_RTOL, BULK_RTOL, BULK_SHARE, ATOL_ANY = 2e-5, 1e-4, 1e-5, 0.999, 1e-4
+
+
+@pytest.fixture(scope="session")
+def gpu_runner(tmp_path_factory, request):
+    if not request.config.getoption("gpu"):
+        pytest.skip("the GPU suite runs with --gpu")
+    if not torch.cuda.is_available():
+        pytest.skip("--gpu, but torch sees no CUDA GPU")
+    return Runner(tmp_path_factory.mktemp("gpu_runs"), request.config.getoption("torchrun"), gpu=True)
+
+
+def cuda_run(gpu_runner, name, nproc, *extra):
+    script, flags = RUNS[name]
+    buckets = BUCKETS if "--bucket_mb" in gpu_runner.options(str(ROOT / script)) else []
+    return gpu_runner.run(str(ROOT / script), nproc, *MODEL, *GPU_TRAIN, *buckets, *flags, *CUDA, *extra, env=ENV)
+
+
+@pytest.fixture(scope="session")
+def cuda_references(gpu_runner, tmp_path_factory):
+    """The single-process reference on CUDA, and the one that applies each update one step late (--delayed_update's)."""
+    delayed = tmp_path_factory.mktemp("gpu_delayed") / "delayed_reference.py"
+    delayed.write_text(DELAYED_REFERENCE.format(root=str(ROOT)))
+    return {name: gpu_runner.run(script, None, *MODEL, *GPU_TRAIN, *CUDA, env=ENV)
+            for name, script in (("exact", str(ROOT / "train_gpt.py")), ("delayed", str(delayed)))}
+
+
+@pytest.mark.parametrize("nproc", NPROCS)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_gpu_parity_with_the_cuda_reference(gpu_runner, cuda_references, name, nproc):
+    run = cuda_run(gpu_runner, name, nproc)
+    ref = cuda_references["delayed" if name == "delayed_update" else "exact"]
+    where = f"{name} on {nproc} GPU(s)"
+    assert run.summary["device"] == "cuda", f"{where} ran on {run.summary['device']}"
+    k = first_difference(ref.summary["grad_norms"], run.summary["grad_norms"], NORM_RTOL)
+    assert k is None, f"{where}: gradient norm at step {k} is {run.summary['grad_norms'][k]}, the reference's " \
+                      f"{ref.summary['grad_norms'][k]}"
+    k = first_difference(ref.summary["losses"], run.summary["losses"], LOSS_ATOL)
+    assert k is None, f"{where}: loss at step {k} is {run.summary['losses'][k]}, the reference's {ref.summary['losses'][k]}"
+    compare_params(ref.master, run.master, where, BULK_RTOL, BULK_SHARE, ATOL_ANY)
+
+
+@pytest.mark.parametrize("nproc", NPROCS)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_gpu_ledgers_device_and_host(gpu_runner, name, nproc):
+    """Model states equal the formula category by category, each where host_categories puts it; the device's peak
+    (torch.cuda.max_memory_allocated: "the maximum GPU memory occupied by tensors", per the CUDA memory docs) holds at
+    least the device's model states; other_tensor_bytes counts only device memory (never negative; for stage 2 on,
+    no full gradient); pinned host memory, read from torch.cuda.host_memory_stats (whose docs say block sizes are
+    rounded up to a power of two before CUDA allocates them), is what pinned_theory predicts."""
+    s = cuda_run(gpu_runner, name, nproc).summary
+    where, stage = f"{name} on {nproc} GPU(s)", s["stage"]
+    host = host_categories(stage, s["args"].get("offload_params", False))
+    for category, v in s["model_state_bytes"].items():
+        twice = category == "grads" and name == "delayed_update"  # its second gradient shard, beyond the paper's model
+        assert v["measured"] == v["theory"] * (1 + twice), f"{where}: {category} measured {v['measured']:,}, formula {v['theory']:,}"
+        assert v["where"] == ("host" if category in host else "device"), f"{where}: {category} is on the {v['where']}"
+    on_device = sum(v["measured"] for v in s["model_state_bytes"].values() if v["where"] == "device")
+    assert s["peak_memory_bytes"] >= on_device, f"{where}: peak {s['peak_memory_bytes']:,} < device model states {on_device:,}"
+    assert s["other_tensor_bytes"] >= 0, f"{where}: other_tensor_bytes {s['other_tensor_bytes']:,} < 0: host memory subtracted"
+    if stage in ("stage2", "stage3", "offload"):
+        assert s["other_tensor_bytes"] < 0.25 * s["n_params"] * 4, f"{where}: {s['other_tensor_bytes']:,} bytes beyond model states"
+    expected = pinned_theory(stage, s["padded_numel"], nproc, 4, s["args"].get("offload_params", False),
+                             s["args"].get("delayed_update", False))
+    assert s["pinned_host_bytes"] == {"measured": expected, "theory": expected}, f"{where}: pinned {s['pinned_host_bytes']}"
+
+
+# ---- overlap, read from a profiler timeline (--trace): torch.profiler with ProfilerActivity.CUDA records "on-device
+# CUDA kernels" through CUPTI (torch.profiler docs), each with its stream and its GPU start and duration, and the
+# launch's correlation id, which ties it to the CPU call that launched it inside record_function("forward") or
+# ("backward") (train_gpt.train_step marks them). Two activities on different streams whose GPU intervals intersect
+# ran at the same time: the CUDA semantics notes say work on different streams may run concurrently, and only
+# there. A GPT-2-sized model in bf16, so that copies and collectives are long enough to see.
+OVERLAP = ["--preset", "gpt2", "--block_size", "256", "--batch_size", "24", "--steps", "3", "--dtype", "bf16",
+           "--eval_every", "1000", "--eval_batches", "1", "--sample_chars", "0", "--no_progress", *CUDA]
+
+
+def read_timeline(path):
+    """The GPU activities of a Chrome trace: {name, kind, stream, start, end, phase}; phase is the marked range
+    (forward, backward, step) in which its launch happened, or None."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    phases = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+              if e.get("cat") == "user_annotation" and e["name"] in ("forward", "backward", "step")]
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    out = []
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy") and "correlation" in e.get("args", {}):
+            t = launched.get(e["args"]["correlation"])
+            phase = next((name for lo, hi, name in phases if t is not None and lo <= t <= hi), None)
+            out.append(dict(name=e["name"], kind=e["cat"], stream=e["args"].get("stream"), start=e["ts"],
+                            end=e["ts"] + e["dur"], phase=phase))
+    return out
+
+
+def concurrent(a, others):
+    """The activities of `others` that ran on another stream at some moment while `a` ran."""
+    return [o for o in others if o["stream"] != a["stream"] and o["start"] < a["end"] and a["start"] < o["end"]]
+
+
+def compute_kernels(activities, phase):
+    return [a for a in activities if a["kind"] == "kernel" and a["phase"] == phase and "nccl" not in a["name"].lower()]
+
+
+def test_timeline_reader(runner, tmp_path):
+    """The reader on a hand-made trace, and --trace's marks in a real one (runs anywhere, on the CPU): a GPU activity's
+    phase comes from its launch, not from when the GPU ran it."""
+    traced = tmp_path / "cpu_trace"
+    runner.run(str(ROOT / "train_gpt.py"), None, "--preset", "tiny", "--steps", "3", "--no_progress", "--sample_chars", "0",
+               "--trace", str(traced))
+    marks = {e["name"] for e in json.loads((traced / "rank0.json").read_text())["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert {"forward", "backward", "step"} <= marks, marks
+    x = lambda cat, name, ts, dur, **args: dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, args=args)
+    trace = [x("user_annotation", "forward", 0, 100), x("user_annotation", "backward", 100, 100),
+             x("cuda_runtime", "cudaLaunchKernel", 10, 1, correlation=1), x("cuda_runtime", "cudaMemcpyAsync", 150, 1, correlation=2),
+             x("cuda_runtime", "cudaLaunchKernel", 160, 1, correlation=3),
+             x("kernel", "ampere_sgemm", 120, 50, stream=7, correlation=1),  # launched in forward, runs during backward
+             x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 160, 30, stream=20, correlation=2),
+             x("kernel", "elementwise", 180, 5, stream=7, correlation=3)]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": trace}))
+    acts = read_timeline(tmp_path / "t.json")
+    assert [a["phase"] for a in acts] == ["forward", "backward", "backward"]
+    copy = acts[1]
+    assert [a["name"] for a in concurrent(copy, acts)] == ["ampere_sgemm", "elementwise"]
+    assert [a["name"] for a in concurrent(copy, compute_kernels(acts, "backward"))] == ["elementwise"]
+
+
+def trace(gpu_runner, script, nproc, *flags):
+    out = gpu_runner.tmp / f"trace_{Path(script).stem}_{nproc}{''.join(flags)}"
+    gpu_runner.run(str(ROOT / script), nproc, *OVERLAP, *flags, "--trace", str(out), env=ENV)
+    return read_timeline(out / "rank0.json")
+
+
+def test_gpu_offload_gradient_copies_overlap_backward(gpu_runner):
+    """Every device-to-host gradient copy lands in pinned memory (CUPTI names the kind: "Memcpy DtoH (Device ->
+    Pinned)"; the CUDA semantics notes, "Use pinned memory buffers": only from pinned memory is a non_blocking copy
+    asynchronous to the host), and they run while backward's kernels run on the compute stream."""
+    acts = trace(gpu_runner, "offload.py", 1)
+    copies = [a for a in acts if a["name"].startswith("Memcpy DtoH") and a["phase"] == "backward"]
+    assert copies, "no device-to-host copy launched during backward"
+    assert all("Pinned" in a["name"] for a in copies), sorted({a["name"] for a in copies})
+    overlapped = [c for c in copies if concurrent(c, compute_kernels(acts, "backward"))]
+    assert overlapped, f"none of the {len(copies)} gradient copies ran while a backward kernel ran"
+
+
+def test_gpu_offload_params_prefetch_copies_overlap_forward(gpu_runner):
+    """With --offload_params the parameter shard comes up from pinned memory on the copy stream ("Memcpy HtoD (Pinned
+    -> Device)"), not on the compute stream, and the next unit's copy runs while this unit's forward kernels run."""
+    acts = trace(gpu_runner, "offload.py", 1, "--offload_params")
+    copies = [a for a in acts if a["name"].startswith("Memcpy HtoD") and a["phase"] == "forward"]
+    compute = compute_kernels(acts, "forward")
+    assert copies and compute, "no host-to-device copy, or no kernel, launched during forward"
+    assert all("Pinned" in a["name"] for a in copies), sorted({a["name"] for a in copies})
+    assert not {a["stream"] for a in copies} & {a["stream"] for a in compute}, "a parameter copy ran on the compute stream"
+    assert any(concurrent(c, compute) for c in copies), f"none of the {len(copies)} parameter copies ran beside a forward kernel"
+
+
+@pytest.mark.skipif(GPUS < 2, reason="stage 3's all-gathers need 2 GPUs or more")
+def test_gpu_stage3_prefetch_overlaps_forward(gpu_runner):
+    """Stage 3's prefetched all-gathers (NCCL kernels, on NCCL's stream: the torch.distributed docs say a collective
+    with async_op=True runs on its own stream, and work.wait() only makes the current stream wait for it) run while
+    forward's kernels run; with --no_prefetch none does (so the check can fail). An all-gather's own phase is not
+    needed: NCCL may launch through the driver API, which the reader's correlation may not see."""
+    nproc = min(GPUS, 4)
+    for flags, expect in (((), True), (("--no_prefetch",), False)):
+        acts = trace(gpu_runner, "stage3.py", nproc, *flags)
+        gathers = [a for a in acts if "nccl" in a["name"].lower() and "allgather" in a["name"].lower()]
+        assert gathers, f"no NCCL all-gather kernel in the timeline ({flags})"
+        overlapped = [g for g in gathers if concurrent(g, compute_kernels(acts, "forward"))]
+        assert bool(overlapped) == expect, (f"stage 3 {' '.join(flags) or 'with prefetch'} on {nproc} GPUs: "
+                                            f"{len(overlapped)} of {len(gathers)} all-gathers ran beside forward kernels")
