@@ -23,6 +23,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 """
 import os
 import shutil
+import sys
 import threading
 
 import torch
@@ -32,27 +33,55 @@ import torch.utils.cpp_extension
 
 from train_gpt import clip_coef, comm, main
 
-_cpu_adam = None  # the built module, once load_cpu_adam() has run
+_cpu_adam = {}  # code path -> the built module, once load_cpu_adam() has built it
+
+# The compiler flags of each code path of cpu_adam.cpp: exactly the instructions torch's own CPU check promises for its
+# capability of that name (ATen reports AVX2 only with FMA, AVX512 only with AVX-512 VL, BW, DQ and FMA). Never
+# -march=native: a build cached in a shared home or a container image must run on every CPU that reports the path.
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma"],
+    "scalar": [],  # portable C++: the only path on aarch64 and other CPUs (no x86 flags there)
+}
 
 
-def load_cpu_adam():
-    """Build cpu_adam.cpp (once: torch caches the build in TORCH_EXTENSIONS_DIR) and return the module."""
-    global _cpu_adam
-    if _cpu_adam is None:
+def cpu_adam_isas():
+    """The kernel's code paths this CPU can run, best first, from torch.backends.cpu.get_cpu_capability() (which
+    ATEN_CPU_CAPABILITY=avx2 or =default lowers, to run another CPU's path here)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, []) + ["scalar"]
+
+
+def load_cpu_adam(isa=None):
+    """Build cpu_adam.cpp for one code path (default: CPU_ADAM_ISA if set, else the best this CPU runs) and return the
+    module; once per path and process, and torch caches the build in TORCH_EXTENSIONS_DIR under the module's name,
+    cpu_adam_<path>."""
+    runnable = cpu_adam_isas()
+    isa = isa or os.environ.get("CPU_ADAM_ISA") or runnable[0]
+    if isa not in runnable:
+        raise RuntimeError(f"cpu_adam: no {isa!r} code path for this CPU (torch's CPU capability: "
+                           f"{torch.backends.cpu.get_cpu_capability()}); CPU_ADAM_ISA can be {', '.join(runnable)}")
+    if isa not in _cpu_adam:
         try:
             torch.utils.cpp_extension.verify_ninja_availability()
             if shutil.which(os.environ.get("CXX", "c++")) is None:
                 raise RuntimeError(f"C++ compiler {os.environ.get('CXX', 'c++')!r} not found on PATH")
             with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")) as f:
-                # -march=native: the AVX-512/AVX2 paths for this CPU (so the cache is per machine: don't share it).
                 # -ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike.
-                _cpu_adam = torch.utils.cpp_extension.load_inline(
-                    name="cpu_adam", cpp_sources=[f.read()], functions=["adam_step", "touch_28_bytes"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
+                # -fno-math-errno: sqrt without a branch to set errno, so the portable loop can be vectorised.
+                # OpenMP: not with Apple's compiler, which has none (the kernel then runs on one thread).
+                omp = [] if sys.platform == "darwin" else ["-fopenmp"]
+                mod = torch.utils.cpp_extension.load_inline(
+                    name=f"cpu_adam_{isa}", cpp_sources=[f.read()],
+                    functions=["adam_step", "isa", "touch_28_bytes", "touch_can_stream"],
+                    extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *omp, *ISA_FLAGS[isa]], extra_ldflags=omp)
         except Exception as e:
             raise RuntimeError("could not build cpu_adam.cpp: install a C++ compiler (apt-get install g++) and ninja "
                                f"(pip install ninja)\n{type(e).__name__}: {e}") from e
-    return _cpu_adam
+        if mod.isa() != isa:  # the flags did not give the path asked for (a compiler that ignores them?)
+            raise RuntimeError(f"cpu_adam: built for {isa} with {ISA_FLAGS[isa]} but compiled the {mod.isa()} path")
+        _cpu_adam[isa] = mod
+    return _cpu_adam[isa]
 
 
 class Copies:
