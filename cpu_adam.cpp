@@ -38,6 +38,8 @@
 // -mavx2 -mfma, scalar with none (the only path on aarch64, where the compiler may still vectorise it with NEON).
 // isa() reports the path that was compiled, and the module is named after it (cpu_adam_avx2, ...), so a build
 // cached on one CPU (a shared home, a container image) is never loaded on a CPU that cannot run it.
+// set_threads(n) sets the threads of this kernel's parallel region only (torch's own thread count is untouched);
+// the loader gives each rank its share of the node's cores.
 // bf16 gradients are widened to fp32 with a shift (exact), then scaled. The optional `param_out` receives the
 // updated parameters in the same pass (fp32, or bf16 rounded to nearest even: what ZeRO-Offload copies back to
 // the device).
@@ -48,6 +50,9 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 // The vector path this build has: each needs FMA beside it (the kernel's multiply-adds are fused, tails too).
 #if defined(__AVX512F__) && defined(__FMA__)
 #define CPU_ADAM_AVX512 1
@@ -72,6 +77,15 @@ struct Hyper {        // per-call constants, all as float like torch's fp32 kern
 constexpr int64_t kTile = 1 << 16;  // elements per OpenMP work item (a multiple of 16; 1.75 MiB of traffic)
 constexpr int64_t kAhead = 512;  // software prefetch distance in elements (2 KiB of each fp32 array)
 constexpr int kLocality = 2;     // __builtin_prefetch locality 2 = prefetcht1: into L2 (measured a little better)
+int g_threads = 0;               // threads of the parallel region; 0: OpenMP's default (set_threads)
+
+int num_threads() {
+#ifdef _OPENMP
+    return g_threads > 0 ? g_threads : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 // Ask for the cache lines needed kAhead elements from now: one line (16 floats) of each array per 16 elements.
 // With the hardware prefetcher alone the core waits on memory more often (measured: the step is 5-10% slower).
@@ -89,7 +103,7 @@ void for_each_tile(const float* p, int64_t n, int64_t tile, F f) {
     const int64_t head = std::min<int64_t>(n, (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / sizeof(float));
     if (head) f(0, head);
     const int64_t tiles = (n - head + tile - 1) / tile;
-#pragma omp parallel for schedule(static) if (tiles > 1)
+#pragma omp parallel for schedule(static) num_threads(num_threads()) if (tiles > 1)
     for (int64_t t = 0; t < tiles; ++t) f(head + t * tile, std::min(n, head + (t + 1) * tile));
 }
 
@@ -270,6 +284,13 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
 
 // The code path this build was compiled with: "avx512", "avx2" or "scalar".
 std::string isa() { return kIsa; }
+
+// Threads of the kernel's parallel region (this module's only; torch's own thread count is left alone).
+void set_threads(int64_t n) {
+    TORCH_CHECK(n >= 1, "set_threads: the number of threads must be >= 1, got ", n);
+    g_threads = int(n);
+}
+int64_t threads() { return num_threads(); }
 
 // ---- For the benchmark only: candidates for the memory-traffic ceiling. Each moves the same 28 bytes per parameter
 // as adam_step (read p, g, m, v; write p, m, v) with trivial arithmetic, on the same threads, tiled by `tile`

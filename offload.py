@@ -52,10 +52,19 @@ def cpu_adam_isas():
     return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, []) + ["scalar"]
 
 
-def load_cpu_adam(isa=None):
+def adam_threads():
+    """(threads per rank, cores, local ranks) for the kernel: this node's cores shared among its local ranks. Not
+    OMP_NUM_THREADS, which torchrun sets to 1 when nproc_per_node > 1 (one core for each rank's Adam), while without
+    torchrun every rank would take every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // local), cores, local
+
+
+def load_cpu_adam(isa=None, announce=False):
     """Build cpu_adam.cpp for one code path (default: CPU_ADAM_ISA if set, else the best this CPU runs) and return the
     module; once per path and process, and torch caches the build in TORCH_EXTENSIONS_DIR under the module's name,
-    cpu_adam_<path>."""
+    cpu_adam_<path>. The kernel gets this rank's share of the cores. announce: print one line saying what was used."""
     runnable = cpu_adam_isas()
     isa = isa or os.environ.get("CPU_ADAM_ISA") or runnable[0]
     if isa not in runnable:
@@ -73,14 +82,19 @@ def load_cpu_adam(isa=None):
                 omp = [] if sys.platform == "darwin" else ["-fopenmp"]
                 mod = torch.utils.cpp_extension.load_inline(
                     name=f"cpu_adam_{isa}", cpp_sources=[f.read()],
-                    functions=["adam_step", "isa", "touch_28_bytes", "touch_can_stream"],
+                    functions=["adam_step", "isa", "set_threads", "threads", "touch_28_bytes", "touch_can_stream"],
                     extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *omp, *ISA_FLAGS[isa]], extra_ldflags=omp)
         except Exception as e:
             raise RuntimeError("could not build cpu_adam.cpp: install a C++ compiler (apt-get install g++) and ninja "
                                f"(pip install ninja)\n{type(e).__name__}: {e}") from e
         if mod.isa() != isa:  # the flags did not give the path asked for (a compiler that ignores them?)
             raise RuntimeError(f"cpu_adam: built for {isa} with {ISA_FLAGS[isa]} but compiled the {mod.isa()} path")
+        mod.set_threads(adam_threads()[0])
         _cpu_adam[isa] = mod
+    if announce:
+        threads, (_, cores, local) = _cpu_adam[isa].threads(), adam_threads()
+        print(f"cpu_adam: {isa} build, {threads} thread{'s' * (threads > 1)} per rank ({cores} core{'s' * (cores > 1)}"
+              f" / {local} local rank{'s' * (local > 1)})", flush=True)
     return _cpu_adam[isa]
 
 
@@ -175,7 +189,7 @@ class OffloadEngine:
         self.copies, self.device, cuda = Copies(device), device, device.type == "cuda"
         self.master = host_buffer(torch.cat([self._own(b.param) for b in self.buckets]).float(), cuda)
         self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
-        self.adam, self.adam_step = load_cpu_adam(), 0
+        self.adam, self.adam_step = load_cpu_adam(announce=self.rank == 0), 0
         self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
         # [/Offload]
         self.in_flight, self.forward_order, self.backward_order = [], [], []

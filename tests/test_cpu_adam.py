@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import offload
-from offload import cpu_adam_isas, load_cpu_adam
+from offload import adam_threads, cpu_adam_isas, load_cpu_adam
 from train_gpt import clip_coef
 
 BETAS, EPS = (0.9, 0.999), 1e-8
@@ -271,9 +271,9 @@ def test_grad_scale_is_applied_once_and_leaves_grad_alone(kernel):
         assert torch.equal(x, y)
 
 
-def test_misaligned_views_and_fp32_out(kernel):
-    """Contiguous views at odd offsets (as slices of a flat buffer are) give the same bits as aligned tensors; an
-    fp32 param_out is an exact copy."""
+def test_misaligned_views_fp32_out_and_threads(kernel):
+    """Contiguous views at odd offsets (as slices of a flat buffer are), on 1 thread or 2, give the same bits as
+    aligned tensors; an fp32 param_out is an exact copy."""
     n = 300_001
     gen = torch.Generator().manual_seed(1)
     p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
@@ -284,10 +284,16 @@ def test_misaligned_views_and_fp32_out(kernel):
     views[2].zero_()
     g_view = torch.empty(n + 7, dtype=torch.bfloat16)[7:].copy_(g)
     out = torch.empty(n)
-    for step in (1, 2, 3):
-        (p, m, v), (pv, mv, vv) = aligned, views
-        kernel.adam_step(p, g, m, v, None, step, 1e-3, *BETAS, EPS, 0.01, CLIP)
-        kernel.adam_step(pv, g_view, mv, vv, out, step, 1e-3, *BETAS, EPS, 0.01, CLIP)
+    threads = kernel.threads()
+    try:
+        for step in (1, 2, 3):
+            (p, m, v), (pv, mv, vv) = aligned, views
+            kernel.set_threads(1)
+            kernel.adam_step(p, g, m, v, None, step, 1e-3, *BETAS, EPS, 0.01, CLIP)
+            kernel.set_threads(2)
+            kernel.adam_step(pv, g_view, mv, vv, out, step, 1e-3, *BETAS, EPS, 0.01, CLIP)
+    finally:
+        kernel.set_threads(threads)
     for a, b in zip(aligned, views):
         assert torch.equal(a, b)
     assert torch.equal(out, views[0])
@@ -332,6 +338,24 @@ def test_default_path_and_override(monkeypatch):
         monkeypatch.setenv("CPU_ADAM_ISA", bad)
         with pytest.raises(RuntimeError, match=f"no '{bad}' code path for this CPU.*can be {', '.join(RUNNABLE)}"):
             load_cpu_adam()
+
+
+def test_threads_are_the_ranks_share_of_the_cores(monkeypatch, capsys):
+    """Each local rank gets cores / local ranks threads (at least 1), whatever OMP_NUM_THREADS says, and says so."""
+    cores = adam_threads()[1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what torchrun sets for nproc_per_node > 1
+    for local, want in [(None, cores), ("1", cores), ("2", max(1, cores // 2)), (str(4 * cores), 1)]:
+        if local is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert adam_threads() == (want, cores, int(local or 1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    mod = load_cpu_adam(announce=True)
+    assert mod.threads() == cores
+    assert f"cpu_adam: {mod.isa()} build, {cores} thread" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="threads must be >= 1, got 0"):
+        mod.set_threads(0)
 
 
 # ---- Bad input: refused with one clear error, and nothing touched.
