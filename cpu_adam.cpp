@@ -13,6 +13,7 @@
 // caller, never counted here. torch's own AdamW agrees to a few ulps, not always bit for bit: its sqrt comes from
 // the CPU's math library (MKL's is not correctly rounded for ~15% of inputs on some AMD CPUs; vsqrtps is), and
 // whether its lerp and addcmul are fused depends on its build and on the CPU (not on its scalar DEFAULT path).
+// The hyperparameters are checked as torch checks them: lr, eps, weight_decay >= 0, betas in [0, 1).
 //
 // grad_scale is the caller's gradient-clipping coefficient (1.0 when nothing is clipped). Applied here, in the same
 // pass, it saves the caller a pass of its own that scales an fp32 copy of the gradient: for a bf16 gradient, a
@@ -255,6 +256,12 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
     check(exp_avg_sq, "exp_avg_sq", n, false);
     if (param_out) check(*param_out, "param_out", n, true);
     TORCH_CHECK(step >= 1, "adam_step: step must be >= 1 (the optimizer step number), got ", step);
+    // torch.optim.AdamW's checks, written so that a NaN fails them too.
+    TORCH_CHECK(lr >= 0.0, "adam_step: lr must be in [0, inf), got ", lr);
+    TORCH_CHECK(eps >= 0.0, "adam_step: eps must be in [0, inf), got ", eps);
+    TORCH_CHECK(weight_decay >= 0.0, "adam_step: weight_decay must be in [0, inf), got ", weight_decay);
+    TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "adam_step: beta1 must be in [0, 1), got ", beta1);
+    TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "adam_step: beta2 must be in [0, 1), got ", beta2);
     // A NaN or infinite scale would quietly turn every parameter and both moments into NaN, for good. (Also
     // rejected: a double beyond fp32's range, which would round to inf.)
     TORCH_CHECK(std::isfinite(grad_scale) && std::fabs(grad_scale) <= std::numeric_limits<float>::max(),

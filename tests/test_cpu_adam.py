@@ -382,6 +382,15 @@ def _args(n=64, **over):
         (dict(grad_scale=float("inf")), ["grad_scale", "finite", "got inf"]),
         (dict(grad_scale=float("-inf")), ["grad_scale", "finite", "got -inf"]),
         (dict(grad_scale=1e39), ["grad_scale", "finite", "got 1e+39"]),  # finite as a double, inf as a float32
+        # torch.optim.AdamW's checks, NaN included
+        (dict(lr=-1e-3), ["lr must be in [0, inf), got -0.001"]),
+        (dict(lr=float("nan")), ["lr must be in [0, inf), got nan"]),
+        (dict(eps=-1e-8), ["eps must be in [0, inf), got -1e-08"]),
+        (dict(weight_decay=-0.1), ["weight_decay must be in [0, inf), got -0.1"]),
+        (dict(beta1=1.0), ["beta1 must be in [0, 1), got 1"]),
+        (dict(beta1=-0.1), ["beta1 must be in [0, 1), got -0.1"]),
+        (dict(beta2=1.0), ["beta2 must be in [0, 1), got 1"]),
+        (dict(beta2=float("nan")), ["beta2 must be in [0, 1), got nan"]),
     ],
 )
 def test_bad_inputs_raise_clear_errors(over, words):
