@@ -304,26 +304,25 @@ int64_t threads() { return num_threads(); }
 // elements, with or without software prefetching, with ordinary or streaming (non-temporal) stores. The benchmark
 // takes the fastest: no single loop is the fastest way to move memory on every CPU.
 template <bool Prefetch, bool Stream>
-void touch_tile(float* p, const float* g, float* m, float* v, int64_t i, int64_t end) {
+void touch_all(float* p, const float* g, float* m, float* v, int64_t n, int64_t tile) {
+    for_each_tile(p, n, tile, [&](int64_t i, int64_t end) {
+        const int64_t begin = i;
 #if defined(CPU_ADAM_AVX512) || defined(CPU_ADAM_AVX2)
-    using S = Simd;
-    const int64_t begin = i;
-    for (; i + S::width <= end; i += S::width) {
-        if (Prefetch && (i - begin) % 16 == 0) prefetch(p, g, m, v, i, end);
-        S::F gi = S::load(g + i), pi = S::add(S::load(p + i), gi), mi = S::add(S::load(m + i), gi),
-             vi = S::add(S::load(v + i), gi);
-        if (Stream) { S::stream(p + i, pi); S::stream(m + i, mi); S::stream(v + i, vi); }
-        else { S::store(p + i, pi); S::store(m + i, mi); S::store(v + i, vi); }
-    }
-    if (Stream) _mm_sfence();  // streaming stores are weakly ordered: drain them before the tile counts as done
-#else
-    static_assert(!Stream, "no streaming stores on the scalar path");
-    for (; i < end; ++i) {
-        if (Prefetch && i % 16 == 0) prefetch(p, g, m, v, i, end);
-        p[i] += g[i]; m[i] += g[i]; v[i] += g[i];
-    }
+        using S = Simd;
+        for (; i + S::width <= end; i += S::width) {
+            if (Prefetch && (i - begin) % 16 == 0) prefetch(p, g, m, v, i, end);
+            S::F gi = S::load(g + i), pi = S::add(S::load(p + i), gi), mi = S::add(S::load(m + i), gi),
+                 vi = S::add(S::load(v + i), gi);
+            if (Stream) { S::stream(p + i, pi); S::stream(m + i, mi); S::stream(v + i, vi); }
+            else { S::store(p + i, pi); S::store(m + i, mi); S::store(v + i, vi); }
+        }
+        if (Stream) _mm_sfence();  // streaming stores are weakly ordered: drain them before the tile counts as done
 #endif
-    for (; i < end; ++i) { p[i] += g[i]; m[i] += g[i]; v[i] += g[i]; }
+        for (; i < end; ++i) {  // the scalar path, and the tails
+            if (Prefetch && (i - begin) % 16 == 0) prefetch(p, g, m, v, i, end);
+            p[i] += g[i]; m[i] += g[i]; v[i] += g[i];
+        }
+    });
 }
 
 // Whether this build has the streaming-store variant (the vector paths).
@@ -342,11 +341,9 @@ void touch_28_bytes(at::Tensor p_, at::Tensor g_, at::Tensor m_, at::Tensor v_, 
     pybind11::gil_scoped_release no_gil;
 #if defined(CPU_ADAM_AVX512) || defined(CPU_ADAM_AVX2)
     if (stream) {
-        prefetch_ahead ? for_each_tile(p, n, tile, [&](int64_t b, int64_t e) { touch_tile<true, true>(p, g, m, v, b, e); })
-                       : for_each_tile(p, n, tile, [&](int64_t b, int64_t e) { touch_tile<false, true>(p, g, m, v, b, e); });
-        return;
+        return prefetch_ahead ? touch_all<true, true>(p, g, m, v, n, tile)
+                              : touch_all<false, true>(p, g, m, v, n, tile);
     }
 #endif
-    prefetch_ahead ? for_each_tile(p, n, tile, [&](int64_t b, int64_t e) { touch_tile<true, false>(p, g, m, v, b, e); })
-                   : for_each_tile(p, n, tile, [&](int64_t b, int64_t e) { touch_tile<false, false>(p, g, m, v, b, e); });
+    prefetch_ahead ? touch_all<true, false>(p, g, m, v, n, tile) : touch_all<false, false>(p, g, m, v, n, tile);
 }

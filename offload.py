@@ -83,7 +83,8 @@ def load_cpu_adam(isa=None, announce=False):
                 mod = torch.utils.cpp_extension.load_inline(
                     name=f"cpu_adam_{isa}", cpp_sources=[f.read()],
                     functions=["adam_step", "isa", "set_threads", "threads", "touch_28_bytes", "touch_can_stream"],
-                    extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *omp, *ISA_FLAGS[isa]], extra_ldflags=omp)
+                    extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *omp, *ISA_FLAGS[isa]],
+                    extra_ldflags=omp)
         except Exception as e:
             raise RuntimeError("could not build cpu_adam.cpp: install a C++ compiler (apt-get install g++) and ninja "
                                f"(pip install ninja)\n{type(e).__name__}: {e}") from e

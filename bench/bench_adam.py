@@ -157,8 +157,8 @@ def main():
         loop_rows.append([f"2^{e}"] + [f"{r / 1e6:,.0f}" for r in loops.values()])
         print(f"done 2^{e}", file=sys.stderr)
 
-    print(f"\nCPU: {cpu_model()} ({platform.machine()}), torch CPU capability {torch.backends.cpu.get_cpu_capability()}; "
-          f"kernel build cpu_adam_{mod.isa()}, torch {torch.__version__}")
+    print(f"\nCPU: {cpu_model()} ({platform.machine()}), torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; kernel build cpu_adam_{mod.isa()}, torch {torch.__version__}")
     print(f"AdamW step, fp32, {a.threads} threads, median of {a.repeats} round-robin samples; M params/s and % of the "
           f"ceiling (the fastest loop moving the same 28 bytes/param with trivial arithmetic)\n")
     head = ["size", "ceiling M/s", "its loop"] + [h for k in names for h in (f"{k} M/s", "% ceil")] + ["re-taken"]

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from fractions import Fraction
+from operator import add, mul, sub, truediv as div
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +103,6 @@ def reference_step(p, g, m, v, step, lr, beta1, beta2, eps, wd, scale):
     bc1, bc2 = 1.0 - beta1 ** float(step), 1.0 - beta2 ** float(step)
     decay, w1, b2, w2 = f32(1.0 - lr * wd), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2)
     neg_step, bc2_sqrt, eps32, s = f32(-(lr / bc1)), f32(bc2 ** 0.5), f32(eps), f32(scale)
-    mul, add, sub, div = (lambda a, b: a * b), (lambda a, b: a + b), (lambda a, b: a - b), (lambda a, b: a / b)
     g = op32(mul, g, s)
     m = fma32(w1, op32(sub, g, m), m)
     v = fma32(op32(mul, w2, g), g, op32(mul, v, b2))
@@ -184,7 +184,7 @@ HARD_FMA = [(0.75, 1 + 2.0**-23, -(2.0**-60)), (0.75, -(1 + 2.0**-23), 2.0**-60)
             (0.75, 1 + 2.0**-23, 2.0**-60)]  # (the last one rounds alike either way)
 
 
-def test_reference_fma_is_correctly_rounded():
+def test_reference_is_correctly_rounded():
     """fma32 and sqrt32 against exact rational and integer arithmetic: the fma cases that round twice the wrong way,
     random ones, and square roots from denormals to 1e38."""
     rng = np.random.default_rng(0)
@@ -200,10 +200,12 @@ def test_reference_fma_is_correctly_rounded():
                       for x, y, z in zip(a, b, c)], np.float32)
     assert np.array_equal(fma32(a, b, c).view(np.int32), exact.view(np.int32))
     x = f32(np.abs(rng.standard_normal(3000)) * 10.0 ** rng.integers(-40, 38, 3000))
-    for y, r in zip(x, sqrt32(x)):  # sqrt against an integer square root with 200 more bits than fp32's denormals
-        root, exact = divmod(Fraction(float(y)) * 2**400, 1)[0], None
-        s = math.isqrt(int(root))
-        exact = exact_fp32(Fraction(s, 2**200) if s * s == root else Fraction(2 * s + 1, 2**201))
+    for y, r in zip(x, sqrt32(x)):
+        # sqrt(y) = isqrt(y * 2^400) / 2^200, plus a sticky half if inexact: 2^-200 is far below the fp32 ulp of any
+        # fp32 root (>= 2^-98), so no rounding boundary falls inside the last step.
+        y_scaled = int(Fraction(float(y)) * 2**400)  # an integer: fp32 values are multiples of 2^-149
+        s = math.isqrt(y_scaled)
+        exact = exact_fp32(Fraction(s, 2**200) if s * s == y_scaled else Fraction(2 * s + 1, 2**201))
         assert np.float32(exact).view(np.int32) == r.view(np.int32), (y, r, exact)
 
 
@@ -320,7 +322,7 @@ def test_each_path_is_its_own_build(kernel):
     assert Path(kernel.__file__).stem == f"cpu_adam_{isa}"  # so a cached build is found only by a CPU that runs it
     if shutil.which("objdump") is None or platform.machine() not in ("x86_64", "AMD64"):
         return  # (the instruction check below is for x86, with binutils)
-    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", kernel.__file__], capture_output=True, text=True).stdout
+    asm = subprocess.run(["objdump", "-d", kernel.__file__], capture_output=True, text=True).stdout
     registers = {"avx512": "zmm", "avx2": "ymm"}
     assert (registers.get(isa, "ymm") in asm) == (isa != "scalar")  # its own vector registers, if any
     if isa != "avx512":
@@ -364,8 +366,8 @@ def _args(n=64, **over):
     a = dict(param=torch.zeros(n), grad=torch.ones(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n), out=None,
              lr=1e-3, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.0, grad_scale=1.0)
     a.update(over)
-    return (a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["out"], 1, a["lr"], a["beta1"], a["beta2"], a["eps"],
-            a["weight_decay"], a["grad_scale"])
+    return (a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["out"], 1, a["lr"], a["beta1"], a["beta2"],
+            a["eps"], a["weight_decay"], a["grad_scale"])
 
 
 @pytest.mark.parametrize(
