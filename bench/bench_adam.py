@@ -45,10 +45,13 @@ def busy_ticks():
 
 
 def cpu_model():
+    """The CPU's name, with its family and model numbers (a virtual machine may say no more than "AMD EPYC")."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        return f"{info['model name']}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+    except (OSError, KeyError):
         return platform.processor() or platform.machine()
 
 
