@@ -2,21 +2,24 @@
 //
 //     adam_step(param, grad, exp_avg, exp_avg_sq, param_out, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
 //
-// The algorithm: torch.optim.AdamW for one fp32 tensor, with torch's operations in torch's order, so that
-// exp_avg and exp_avg_sq come out bit-identical to torch's:
+// The algorithm: torch.optim.AdamW for one fp32 tensor, with torch's operations in torch's order, each rounded once
+// to fp32 (the two multiply-adds fused), so the result is defined bit for bit by these lines on every CPU and path:
 //     g = g * grad_scale                                    in fp32, as grad.float().mul_(grad_scale) would
 //     p = p * (1 - lr*wd)                                   decoupled weight decay
-//     m = fma(1-beta1, g - m, m)                            torch's lerp: one fused multiply-add
-//     v = fma((1-beta2)*g, g, v*beta2)                      torch's mul_ + addcmul_ (compiled into one FMA)
+//     m = fma(1-beta1, g - m, m)                            torch's lerp (one fused multiply-add in its AVX2 kernel)
+//     v = fma((1-beta2)*g, g, v*beta2)                      torch's mul_ + addcmul_
 //     p = p + (-lr/bc1 * m) / (sqrt(v)/sqrt(bc2) + eps)     bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
-// The bias corrections are computed once per call, in double; `step` comes from the caller, never counted here.
-// (p can differ from torch's by one ulp in rare elements: torch's CPU sqrt is not always correctly rounded.)
+// The constants (struct Hyper) are computed once per call in double and rounded to fp32; `step` comes from the
+// caller, never counted here. torch's own AdamW agrees to a few ulps, not always bit for bit: its sqrt comes from
+// the CPU's math library (MKL's is not correctly rounded for ~15% of inputs on some AMD CPUs; vsqrtps is), and
+// whether its lerp and addcmul are fused depends on its build and on the CPU (not on its scalar DEFAULT path).
+// The hyperparameters are checked as torch checks them: lr, eps, weight_decay >= 0, betas in [0, 1).
 //
 // grad_scale is the caller's gradient-clipping coefficient (1.0 when nothing is clipped). Applied here, in the same
 // pass, it saves the caller a pass of its own that scales an fp32 copy of the gradient: for a bf16 gradient, a
 // temporary of 4 bytes per parameter and ~16 bytes per parameter of memory traffic on top of the step's 26-28.
 // It is rounded to fp32 first, as torch rounds a Python scalar that multiplies an fp32 tensor, so the result is
-// bit for bit what torch's AdamW does with the scaled gradient. Multiplying by 1.0 is exact, and one multiply per
+// bit for bit what the step does with the scaled gradient. Multiplying by 1.0 is exact, and one multiply per
 // vector is nothing beside the two divisions and the square root (measured at 2^24 and 2^26 parameters: no
 // difference beyond this machine's +-2% noise), so there is no separate unscaled path.
 //
@@ -28,9 +31,16 @@
 // the cache already and bypassing it only slowed the step down (by 10-15%).
 //
 // Structure: OpenMP splits the arrays into large tiles (static schedule: each thread walks one contiguous run);
-// inside a tile, one of three code paths chosen at compile time: AVX-512 (16 floats per vector), AVX2 (8), or
-// the portable scalar loop, which also does the tails. All paths compute the same bits: the FMAs are written
+// inside a tile, one of three code paths chosen at compile time: AVX-512 (16 floats per vector), AVX2 + FMA (8),
+// or the portable scalar loop, which also does the tails. All paths compute the same bits: the FMAs are written
 // out, and the build passes -ffp-contract=off so that the compiler adds none of its own.
+// The loader (load_cpu_adam in offload.py) picks the path from torch's own CPU check and compiles it with explicit
+// flags, never -march=native: AVX-512 with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma, AVX2 with
+// -mavx2 -mfma, scalar with none (the only path on aarch64, where the compiler may still vectorise it with NEON).
+// isa() reports the path that was compiled, and the module is named after it (cpu_adam_avx2, ...), so a build
+// cached on one CPU (a shared home, a container image) is never loaded on a CPU that cannot run it.
+// set_threads(n) sets the threads of this kernel's parallel region only (torch's own thread count is untouched);
+// the loader gives each rank its share of the node's cores.
 // bf16 gradients are widened to fp32 with a shift (exact), then scaled. The optional `param_out` receives the
 // updated parameters in the same pass (fp32, or bf16 rounded to nearest even: what ZeRO-Offload copies back to
 // the device).
@@ -41,7 +51,15 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+// The vector path this build has: each needs FMA beside it (the kernel's multiply-adds are fused, tails too).
+#if defined(__AVX512F__) && defined(__FMA__)
+#define CPU_ADAM_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_ADAM_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -60,6 +78,15 @@ struct Hyper {        // per-call constants, all as float like torch's fp32 kern
 constexpr int64_t kTile = 1 << 16;  // elements per OpenMP work item (a multiple of 16; 1.75 MiB of traffic)
 constexpr int64_t kAhead = 512;  // software prefetch distance in elements (2 KiB of each fp32 array)
 constexpr int kLocality = 2;     // __builtin_prefetch locality 2 = prefetcht1: into L2 (measured a little better)
+int g_threads = 0;               // threads of the parallel region; 0: OpenMP's default (set_threads)
+
+int num_threads() {
+#ifdef _OPENMP
+    return g_threads > 0 ? g_threads : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 // Ask for the cache lines needed kAhead elements from now: one line (16 floats) of each array per 16 elements.
 // With the hardware prefetcher alone the core waits on memory more often (measured: the step is 5-10% slower).
@@ -70,15 +97,15 @@ inline void prefetch(const float* p, const G* g, const float* m, const float* v,
     __builtin_prefetch(m + i + kAhead, 0, kLocality); __builtin_prefetch(v + i + kAhead, 0, kLocality);
 }
 
-// Call f(begin, end) on tiles covering [0, n), in parallel. A short first piece makes every tile start at a
-// 64-byte boundary of p (whole cache lines per vector; p, m, v share that alignment in practice).
+// Call f(begin, end) on tiles of `tile` elements covering [0, n), in parallel. A short first piece makes every
+// tile start at a 64-byte boundary of p (whole cache lines per vector; p, m, v share that alignment in practice).
 template <typename F>
-void for_each_tile(const float* p, int64_t n, F f) {
+void for_each_tile(const float* p, int64_t n, int64_t tile, F f) {
     const int64_t head = std::min<int64_t>(n, (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / sizeof(float));
     if (head) f(0, head);
-    const int64_t tiles = (n - head + kTile - 1) / kTile;
-#pragma omp parallel for schedule(static) if (tiles > 1)
-    for (int64_t t = 0; t < tiles; ++t) f(head + t * kTile, std::min(n, head + (t + 1) * kTile));
+    const int64_t tiles = (n - head + tile - 1) / tile;
+#pragma omp parallel for schedule(static) num_threads(num_threads()) if (tiles > 1)
+    for (int64_t t = 0; t < tiles; ++t) f(head + t * tile, std::min(n, head + (t + 1) * tile));
 }
 
 // ---- bf16 <-> fp32. bf16 is the top half of an fp32; rounding adds 0x7fff + (lowest kept bit).
@@ -86,9 +113,9 @@ inline float bf16_to_float(uint16_t b) {
     uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f;
 }
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays a (quiet) NaN
-    if (std::isnan(f)) return 0x7fc0;
     uint32_t u; std::memcpy(&u, &f, 4);
-    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint16_t rounded = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? uint16_t(0x7fc0) : rounded;  // a select, not a branch: the loop stays vectorisable
 }
 inline float load1(const float* g, int64_t i) { return g[i]; }
 inline float load1(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
@@ -107,84 +134,103 @@ inline void adam1(float* p, const G* g, float* m, float* v, O* out, int64_t i, c
     if (out) store1(out, i, pi);
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* g) { return _mm512_loadu_ps(g); }
-inline __m512 load16(const uint16_t* g) {  // widen 16 bf16 -> 16 fp32
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)g));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-inline void store16(float* o, __m512 x) { _mm512_storeu_ps(o, x); }
-inline void store16(uint16_t* o, __m512 x) {
-    // Integer round-to-nearest-even, bit-identical to torch's .to(bfloat16). (vcvtneps2bf16 from
-    // AVX512_BF16 would also round to nearest even, but it flushes denormals to zero.)
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    u = _mm512_mask_blend_epi32(nan, u, _mm512_set1_epi32(0x7fc00000));
-    _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
-#endif
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
-inline __m256 load8(const float* g) { return _mm256_loadu_ps(g); }
-inline __m256 load8(const uint16_t* g) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)g));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-inline void store8(float* o, __m256 x) { _mm256_storeu_ps(o, x); }
-inline void store8(uint16_t* o, __m256 x) {
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc00000), nan);
-    u = _mm256_srli_epi32(u, 16);  // 8 x 16-bit values in 32-bit lanes: pack the two halves
-    _mm_storeu_si128((__m128i*)o, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-}
+// ---- The vector path: one struct of the few operations the loops use, so each loop is written once.
+#if defined(CPU_ADAM_AVX512)
+constexpr const char* kIsa = "avx512";
+struct Simd {
+    using F = __m512;
+    static constexpr int64_t width = 16;
+    static F set1(float x) { return _mm512_set1_ps(x); }
+    static F load(const float* x) { return _mm512_loadu_ps(x); }
+    static F load(const uint16_t* x) {  // widen 16 bf16 -> 16 fp32
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
+    }
+    static void store(float* o, F x) { _mm512_storeu_ps(o, x); }
+    static void store(uint16_t* o, F x) {
+        // Integer round-to-nearest-even, bit-identical to torch's .to(bfloat16). (vcvtneps2bf16 from
+        // AVX512_BF16 would also round to nearest even, but it flushes denormals to zero.)
+        __m512i u = _mm512_castps_si512(x);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        u = _mm512_mask_blend_epi32(nan, u, _mm512_set1_epi32(0x7fc00000));
+        _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
+    static void stream(float* o, F x) { _mm512_stream_ps(o, x); }  // o must be 64-byte aligned
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F div(F a, F b) { return _mm512_div_ps(a, b); }
+    static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+    static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#elif defined(CPU_ADAM_AVX2)
+constexpr const char* kIsa = "avx2";
+struct Simd {
+    using F = __m256;
+    static constexpr int64_t width = 8;
+    static F set1(float x) { return _mm256_set1_ps(x); }
+    static F load(const float* x) { return _mm256_loadu_ps(x); }
+    static F load(const uint16_t* x) {  // widen 8 bf16 -> 8 fp32
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)x)), 16));
+    }
+    static void store(float* o, F x) { _mm256_storeu_ps(o, x); }
+    static void store(uint16_t* o, F x) {
+        __m256i u = _mm256_castps_si256(x);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc00000), nan);
+        u = _mm256_srli_epi32(u, 16);  // 8 x 16-bit values in 32-bit lanes: pack the two halves
+        _mm_storeu_si128((__m128i*)o, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+    }
+    static void stream(float* o, F x) { _mm256_stream_ps(o, x); }  // o must be 32-byte aligned
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F div(F a, F b) { return _mm256_div_ps(a, b); }
+    static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+    static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#else
+constexpr const char* kIsa = "scalar";
 #endif
 
 // Update elements [begin, end) of one tile.
 template <typename G, typename O>
 void adam_tile(float* p, const G* g, float* m, float* v, O* out, int64_t begin, int64_t end, const Hyper& h) {
     int64_t i = begin;
-#if defined(__AVX512F__)
-    const __m512 decay = _mm512_set1_ps(h.decay), w1 = _mm512_set1_ps(h.w1), b2 = _mm512_set1_ps(h.beta2),
-                 w2 = _mm512_set1_ps(h.w2), ns = _mm512_set1_ps(h.neg_step), bc2s = _mm512_set1_ps(h.bc2_sqrt),
-                 eps = _mm512_set1_ps(h.eps), gs = _mm512_set1_ps(h.scale);
-    for (; i + 16 <= end; i += 16) {
-        prefetch(p, g, m, v, i, end);
-        __m512 gi = _mm512_mul_ps(load16(g + i), gs), mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
-        mi = _mm512_fmadd_ps(w1, _mm512_sub_ps(gi, mi), mi);
-        vi = _mm512_fmadd_ps(_mm512_mul_ps(w2, gi), gi, _mm512_mul_ps(vi, b2));
-        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2s), eps);
-        __m512 pi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), decay),
-                                  _mm512_div_ps(_mm512_mul_ps(ns, mi), denom));
-        _mm512_storeu_ps(p + i, pi); _mm512_storeu_ps(m + i, mi); _mm512_storeu_ps(v + i, vi);
-        if (out) store16(out + i, pi);
-    }
-#elif defined(__AVX2__)
-    const __m256 decay = _mm256_set1_ps(h.decay), w1 = _mm256_set1_ps(h.w1), b2 = _mm256_set1_ps(h.beta2),
-                 w2 = _mm256_set1_ps(h.w2), ns = _mm256_set1_ps(h.neg_step), bc2s = _mm256_set1_ps(h.bc2_sqrt),
-                 eps = _mm256_set1_ps(h.eps), gs = _mm256_set1_ps(h.scale);
-    for (; i + 8 <= end; i += 8) {
-        if (i % 16 == 0) prefetch(p, g, m, v, i, end);
-        __m256 gi = _mm256_mul_ps(load8(g + i), gs), mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
-        mi = _mm256_fmadd_ps(w1, _mm256_sub_ps(gi, mi), mi);
-        vi = _mm256_fmadd_ps(_mm256_mul_ps(w2, gi), gi, _mm256_mul_ps(vi, b2));
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2s), eps);
-        __m256 pi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), decay),
-                                  _mm256_div_ps(_mm256_mul_ps(ns, mi), denom));
-        _mm256_storeu_ps(p + i, pi); _mm256_storeu_ps(m + i, mi); _mm256_storeu_ps(v + i, vi);
-        if (out) store8(out + i, pi);
+#if defined(CPU_ADAM_AVX512) || defined(CPU_ADAM_AVX2)
+    using S = Simd;
+    const S::F decay = S::set1(h.decay), w1 = S::set1(h.w1), b2 = S::set1(h.beta2), w2 = S::set1(h.w2),
+               ns = S::set1(h.neg_step), bc2s = S::set1(h.bc2_sqrt), eps = S::set1(h.eps), gs = S::set1(h.scale);
+    for (; i + S::width <= end; i += S::width) {
+        if ((i - begin) % 16 == 0) prefetch(p, g, m, v, i, end);
+        S::F gi = S::mul(S::load(g + i), gs), mi = S::load(m + i), vi = S::load(v + i);
+        mi = S::fma(w1, S::sub(gi, mi), mi);
+        vi = S::fma(S::mul(w2, gi), gi, S::mul(vi, b2));
+        S::F denom = S::add(S::div(S::sqrt(vi), bc2s), eps);
+        S::F pi = S::add(S::mul(S::load(p + i), decay), S::div(S::mul(ns, mi), denom));
+        S::store(p + i, pi); S::store(m + i, mi); S::store(v + i, vi);
+        if (out) S::store(out + i, pi);
     }
 #endif
-    for (; i < end; ++i) adam1(p, g, m, v, out, i, h);  // portable path, and the tail of the SIMD paths
+    // The portable path, and the tail of the SIMD paths, written so that the compiler can vectorise it where there
+    // is no path above (with NEON on aarch64: vector fma, sqrt and div round as the scalar ones do, so the bits are
+    // the same): no branch inside (two loops, not `if (out)` in one; -fno-math-errno, or sqrt has a branch to set
+    // errno), and ivdep: the arrays do not overlap at different indices, as the SIMD paths above assume too.
+    if (out) {
+#pragma GCC ivdep
+        for (; i < end; ++i) adam1(p, g, m, v, out, i, h);
+    } else {
+#pragma GCC ivdep
+        for (; i < end; ++i) adam1(p, g, m, v, static_cast<O*>(nullptr), i, h);
+    }
 }
 
 template <typename G, typename O>
 void adam_all(float* p, const G* g, float* m, float* v, O* out, int64_t n, const Hyper& h) {
-    for_each_tile(p, n, [&](int64_t b, int64_t e) { adam_tile(p, g, m, v, out, b, e, h); });
+    for_each_tile(p, n, kTile, [&](int64_t b, int64_t e) { adam_tile(p, g, m, v, out, b, e, h); });
 }
 
 void check(const at::Tensor& t, const char* name, int64_t n, bool allow_bf16) {
@@ -210,6 +256,12 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
     check(exp_avg_sq, "exp_avg_sq", n, false);
     if (param_out) check(*param_out, "param_out", n, true);
     TORCH_CHECK(step >= 1, "adam_step: step must be >= 1 (the optimizer step number), got ", step);
+    // torch.optim.AdamW's checks, written so that a NaN fails them too.
+    TORCH_CHECK(lr >= 0.0, "adam_step: lr must be in [0, inf), got ", lr);
+    TORCH_CHECK(eps >= 0.0, "adam_step: eps must be in [0, inf), got ", eps);
+    TORCH_CHECK(weight_decay >= 0.0, "adam_step: weight_decay must be in [0, inf), got ", weight_decay);
+    TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "adam_step: beta1 must be in [0, 1), got ", beta1);
+    TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "adam_step: beta2 must be in [0, 1), got ", beta2);
     // A NaN or infinite scale would quietly turn every parameter and both moments into NaN, for good. (Also
     // rejected: a double beyond fp32's range, which would round to inf.)
     TORCH_CHECK(std::isfinite(grad_scale) && std::fabs(grad_scale) <= std::numeric_limits<float>::max(),
@@ -237,32 +289,61 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
     }
 }
 
-// ---- For the benchmark only: the memory-traffic ceiling. Same tiles, threads, vectors and prefetching as
-// adam_step, the same 28 bytes per parameter (read p, g, m, v; write p, m, v), trivial arithmetic.
-void touch_28_bytes(at::Tensor p_, at::Tensor g_, at::Tensor m_, at::Tensor v_) {
+// The code path this build was compiled with: "avx512", "avx2" or "scalar".
+std::string isa() { return kIsa; }
+
+// Threads of the kernel's parallel region (this module's only; torch's own thread count is left alone).
+void set_threads(int64_t n) {
+    TORCH_CHECK(n >= 1, "set_threads: the number of threads must be >= 1, got ", n);
+    g_threads = int(n);
+}
+int64_t threads() { return num_threads(); }
+
+// ---- For the benchmark only: candidates for the memory-traffic ceiling. Each moves the same 28 bytes per parameter
+// as adam_step (read p, g, m, v; write p, m, v) with trivial arithmetic, on the same threads, tiled by `tile`
+// elements, with or without software prefetching, with ordinary or streaming (non-temporal) stores. The benchmark
+// takes the fastest: no single loop is the fastest way to move memory on every CPU.
+template <bool Prefetch, bool Stream>
+void touch_all(float* p, const float* g, float* m, float* v, int64_t n, int64_t tile) {
+    for_each_tile(p, n, tile, [&](int64_t i, int64_t end) {
+        const int64_t begin = i;
+#if defined(CPU_ADAM_AVX512) || defined(CPU_ADAM_AVX2)
+        using S = Simd;
+        for (; i + S::width <= end; i += S::width) {
+            if (Prefetch && (i - begin) % 16 == 0) prefetch(p, g, m, v, i, end);
+            S::F gi = S::load(g + i), pi = S::add(S::load(p + i), gi), mi = S::add(S::load(m + i), gi),
+                 vi = S::add(S::load(v + i), gi);
+            if (Stream) { S::stream(p + i, pi); S::stream(m + i, mi); S::stream(v + i, vi); }
+            else { S::store(p + i, pi); S::store(m + i, mi); S::store(v + i, vi); }
+        }
+        if (Stream) _mm_sfence();  // streaming stores are weakly ordered: drain them before the tile counts as done
+#endif
+        for (; i < end; ++i) {  // the scalar path, and the tails
+            if (Prefetch && (i - begin) % 16 == 0) prefetch(p, g, m, v, i, end);
+            p[i] += g[i]; m[i] += g[i]; v[i] += g[i];
+        }
+    });
+}
+
+// Whether this build has the streaming-store variant (the vector paths).
+bool touch_can_stream() { return std::string(kIsa) != "scalar"; }
+
+void touch_28_bytes(at::Tensor p_, at::Tensor g_, at::Tensor m_, at::Tensor v_, int64_t tile, bool prefetch_ahead,
+                    bool stream) {
     const int64_t n = p_.numel();
     check(p_, "p", n, false); check(g_, "g", n, false); check(m_, "m", n, false); check(v_, "v", n, false);
+    TORCH_CHECK(tile >= 64 && tile % 16 == 0, "touch_28_bytes: tile must be a multiple of 16, >= 64, got ", tile);
     float *p = p_.data_ptr<float>(), *m = m_.data_ptr<float>(), *v = v_.data_ptr<float>();
     const float* g = g_.data_ptr<float>();
+    const auto aligned = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 64 == 0; };
+    TORCH_CHECK(!stream || (touch_can_stream() && aligned(p) && aligned(m) && aligned(v)), "touch_28_bytes: "
+                "streaming stores need a vector path and p, m, v aligned to 64 bytes");
     pybind11::gil_scoped_release no_gil;
-    for_each_tile(p, n, [&](int64_t i, int64_t end) {
-#if defined(__AVX512F__)
-        for (; i + 16 <= end; i += 16) {
-            prefetch(p, g, m, v, i, end);
-            __m512 gi = _mm512_loadu_ps(g + i);
-            _mm512_storeu_ps(p + i, _mm512_add_ps(_mm512_loadu_ps(p + i), gi));
-            _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), gi));
-            _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), gi));
-        }
-#elif defined(__AVX2__)
-        for (; i + 8 <= end; i += 8) {
-            if (i % 16 == 0) prefetch(p, g, m, v, i, end);
-            __m256 gi = _mm256_loadu_ps(g + i);
-            _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_loadu_ps(p + i), gi));
-            _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gi));
-            _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), gi));
-        }
+#if defined(CPU_ADAM_AVX512) || defined(CPU_ADAM_AVX2)
+    if (stream) {
+        return prefetch_ahead ? touch_all<true, true>(p, g, m, v, n, tile)
+                              : touch_all<false, true>(p, g, m, v, n, tile);
+    }
 #endif
-        for (; i < end; ++i) { p[i] += g[i]; m[i] += g[i]; v[i] += g[i]; }
-    });
+    prefetch_ahead ? touch_all<true, false>(p, g, m, v, n, tile) : touch_all<false, false>(p, g, m, v, n, tile);
 }

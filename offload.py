@@ -25,6 +25,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 """
 import os
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -34,27 +35,70 @@ import torch.utils.cpp_extension
 
 from train_gpt import clip_coef, comm, main, sum_of_squares
 
-_cpu_adam = None  # the built module, once load_cpu_adam() has run
+_cpu_adam = {}  # code path -> the built module, once load_cpu_adam() has built it
+
+# The compiler flags of each code path of cpu_adam.cpp: exactly the instructions torch's own CPU check promises for its
+# capability of that name (ATen reports AVX2 only with FMA, AVX512 only with AVX-512 VL, BW, DQ and FMA). Never
+# -march=native: a build cached in a shared home or a container image must run on every CPU that reports the path.
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma"],
+    "scalar": [],  # portable C++: the only path on aarch64 and other CPUs (no x86 flags there)
+}
 
 
-def load_cpu_adam():
-    """Build cpu_adam.cpp (once: torch caches the build in TORCH_EXTENSIONS_DIR) and return the module."""
-    global _cpu_adam
-    if _cpu_adam is None:
+def cpu_adam_isas():
+    """The kernel's code paths this CPU can run, best first, from torch.backends.cpu.get_cpu_capability() (which
+    ATEN_CPU_CAPABILITY=avx2 or =default lowers, to run another CPU's path here)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, []) + ["scalar"]
+
+
+def adam_threads():
+    """(threads per rank, cores, local ranks) for the kernel: this node's cores shared among its local ranks. Not
+    OMP_NUM_THREADS, which torchrun sets to 1 when nproc_per_node > 1 (one core for each rank's Adam), while without
+    torchrun every rank would take every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // local), cores, local
+
+
+def load_cpu_adam(isa=None, announce=False):
+    """Build cpu_adam.cpp for one code path (default: CPU_ADAM_ISA if set, else the best this CPU runs) and return the
+    module; once per path and process, and torch caches the build in TORCH_EXTENSIONS_DIR under the module's name,
+    cpu_adam_<path>. The kernel gets this rank's share of the cores. announce: print one line saying what was used."""
+    runnable = cpu_adam_isas()
+    isa = isa or os.environ.get("CPU_ADAM_ISA") or runnable[0]
+    if isa not in runnable:
+        raise RuntimeError(f"cpu_adam: no {isa!r} code path for this CPU (torch's CPU capability: "
+                           f"{torch.backends.cpu.get_cpu_capability()}); CPU_ADAM_ISA can be {', '.join(runnable)}")
+    if isa not in _cpu_adam:
         try:
             torch.utils.cpp_extension.verify_ninja_availability()
             if shutil.which(os.environ.get("CXX", "c++")) is None:
                 raise RuntimeError(f"C++ compiler {os.environ.get('CXX', 'c++')!r} not found on PATH")
             with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")) as f:
-                # -march=native: the AVX-512/AVX2 paths for this CPU (so the cache is per machine: don't share it).
                 # -ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike.
-                _cpu_adam = torch.utils.cpp_extension.load_inline(
-                    name="cpu_adam", cpp_sources=[f.read()], functions=["adam_step", "touch_28_bytes"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
+                # -fno-math-errno: sqrt without a branch to set errno, so the portable loop can be vectorised.
+                # OpenMP: not with Apple's compiler, which has none (the kernel then runs on one thread).
+                omp = [] if sys.platform == "darwin" else ["-fopenmp"]
+                mod = torch.utils.cpp_extension.load_inline(
+                    name=f"cpu_adam_{isa}", cpp_sources=[f.read()],
+                    functions=["adam_step", "isa", "set_threads", "threads", "touch_28_bytes", "touch_can_stream"],
+                    extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *omp, *ISA_FLAGS[isa]],
+                    extra_ldflags=omp)
         except Exception as e:
             raise RuntimeError("could not build cpu_adam.cpp: install a C++ compiler (apt-get install g++) and ninja "
                                f"(pip install ninja)\n{type(e).__name__}: {e}") from e
-    return _cpu_adam
+        if mod.isa() != isa:  # the flags did not give the path asked for (a compiler that ignores them?)
+            raise RuntimeError(f"cpu_adam: built for {isa} with {ISA_FLAGS[isa]} but compiled the {mod.isa()} path")
+        mod.set_threads(adam_threads()[0])
+        _cpu_adam[isa] = mod
+    if announce:
+        threads, (_, cores, local) = _cpu_adam[isa].threads(), adam_threads()
+        print(f"cpu_adam: {isa} build, {threads} thread{'s' * (threads > 1)} per rank ({cores} core{'s' * (cores > 1)}"
+              f" / {local} local rank{'s' * (local > 1)})", flush=True)
+    return _cpu_adam[isa]
 
 
 class Copies:
@@ -185,7 +229,7 @@ class OffloadEngine:
         self.copies, self.device = Copies(device), device
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float().cpu()
         self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
-        self.adam, self.adam_step = load_cpu_adam(), 0
+        self.adam, self.adam_step = load_cpu_adam(announce=self.rank == 0), 0
         self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # this rank's gradient shard
         self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # updated parameters, on their way up
         # [/Offload]
