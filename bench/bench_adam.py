@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload import load_cpu_adam  # noqa: E402
+from devices import load_cpu_adam  # noqa: E402
 
 BYTES = 28  # per parameter: read p, g, m, v (16) + write p, m, v (12), all fp32
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01

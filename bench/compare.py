@@ -18,7 +18,7 @@ The default model is the tiny preset widened to 8 layers of 128 (1.6M parameters
 auto picks (bf16 where it is fast, else fp32; the table names it): the model states are large
 next to the activations of a 16 x 64-token batch, so the ZeRO ordering of the peak shows (stage 0 > 1 > 2 > 3 at
 N = 4), and 8 blocks make stage 3's working set (root + 2 blocks) small next to the whole model.
-Memory is counted in tensor bytes (train_gpt.PeakMemory), not RSS. On CPU, tokens/s at N ranks measures N processes
+Memory is counted in tensor bytes (instruments.PeakMemory), not RSS. On CPU, tokens/s at N ranks measures N processes
 sharing this machine's cores: compare stages at the same N, not across N.
 """
 import argparse, json, math, os, subprocess, sys, time

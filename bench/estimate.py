@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from train_gpt import GPT, GPTConfig, PRESETS, host_categories, model_state_theory, pinned_theory  # THE formulas
+from instruments import pinned_theory  # noqa: E402
+from train_gpt import GPT, GPTConfig, PRESETS, host_categories, model_state_theory  # THE formulas
 
 STAGES = ["stage0", "stage1", "stage2", "stage3", "offload"]
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 import torch
 import torch.distributed as dist
 
+import instruments
 import train_gpt
 from train_gpt import clip_coef, main
 
@@ -357,7 +358,7 @@ def report(pairs, results):
 
 
 def _storage_bytes_of_subclasses(tensors):
-    """train_gpt.storage_bytes, but a DTensor counts its local shard, and a tensor subclass without a storage of its own
+    """instruments.storage_bytes, but a DTensor counts its local shard, and a tensor subclass without a storage of its own
     (FSDP2's parameters are DTensors, found by live_tensor_bytes' walk over gc) is skipped instead of raising."""
     from torch.distributed.tensor import DTensor
     seen = {}
@@ -373,7 +374,7 @@ def _storage_bytes_of_subclasses(tensors):
 
 
 def worker():
-    train_gpt.storage_bytes = _storage_bytes_of_subclasses  # main's memory meter, made to survive DTensors
+    instruments.storage_bytes = _storage_bytes_of_subclasses  # main's memory meter, made to survive DTensors
     i = sys.argv.index("--peer")
     name = sys.argv[i + 1] if i + 1 < len(sys.argv) else None
     if name not in PEERS:

@@ -17,7 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from train_gpt import free_port  # noqa: E402
+from devices import free_port  # noqa: E402
 STAGES = ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py", "offload.py"]
 
 

@@ -15,7 +15,8 @@ import torch
 
 from conftest import ROOT
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference, train  # noqa: F401
-from train_gpt import GPT, GPTConfig, CharData, SingleDeviceEngine, load_checkpoint, load_text, open_checkpoint, save_checkpoint
+from checkpoint import load_checkpoint, open_checkpoint, save_checkpoint
+from train_gpt import GPT, GPTConfig, CharData, SingleDeviceEngine, load_text
 
 STOP = ["--stop_after", "3"]  # TRAIN has 6 steps: stop after 3, resume for the other 3
 
@@ -193,12 +194,13 @@ LAGGING = '''
 import os
 import sys
 sys.path.insert(0, {root!r})
+import checkpoint
 import train_gpt
 from stage2 import ZeRO2Engine
 
 if os.environ["RANK"] == {rank!r}:  # this rank's view of the checkpoint directory lags: its newest entry is not there yet
-    listed = train_gpt.complete_checkpoints
-    train_gpt.complete_checkpoints = lambda ckpt_dir: listed(ckpt_dir)[:-1]
+    listed = checkpoint.complete_checkpoints
+    checkpoint.complete_checkpoints = lambda ckpt_dir: listed(ckpt_dir)[:-1]
 train_gpt.main(ZeRO2Engine, stage="stage2")
 '''
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-import offload
-from offload import adam_threads, cpu_adam_isas, load_cpu_adam
+import devices
+from devices import adam_threads, cpu_adam_isas, load_cpu_adam
 from train_gpt import clip_coef
 
 BETAS, EPS = (0.9, 0.999), 1e-8
@@ -31,7 +31,7 @@ SCALES = [1.0, 0.37, CLIP, 3.0]
 RUNNABLE = cpu_adam_isas()
 
 
-@pytest.fixture(scope="module", params=list(offload.ISA_FLAGS))
+@pytest.fixture(scope="module", params=list(devices.ISA_FLAGS))
 def kernel(request):
     """Each code path of the kernel, built for it (~25 s a path the first time, cached after); the paths this CPU
     cannot run are skipped."""
@@ -336,7 +336,7 @@ def test_default_path_and_override(monkeypatch):
     assert load_cpu_adam().isa() == RUNNABLE[0]
     monkeypatch.setenv("CPU_ADAM_ISA", "scalar")
     assert load_cpu_adam().isa() == "scalar"
-    for bad in ["sse", *[isa for isa in offload.ISA_FLAGS if isa not in RUNNABLE]]:
+    for bad in ["sse", *[isa for isa in devices.ISA_FLAGS if isa not in RUNNABLE]]:
         monkeypatch.setenv("CPU_ADAM_ISA", bad)
         with pytest.raises(RuntimeError, match=f"no '{bad}' code path for this CPU.*can be {', '.join(RUNNABLE)}"):
             load_cpu_adam()

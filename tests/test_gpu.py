@@ -15,7 +15,8 @@ import torch
 from conftest import ROOT, STAGES, Runner
 from test_offload import DELAYED_REFERENCE
 from test_stages import BUCKETS, MODEL, TRAIN, compare_params, first_difference
-from train_gpt import host_categories, pinned_theory
+from instruments import pinned_theory
+from train_gpt import host_categories
 
 CUDA = ["--device", "cuda"]
 GPU_TRAIN = [*TRAIN, "--batch_size", "24"]  # TRAIN's, with a global batch that N x grad_accum divides for N = 1 to 4

@@ -15,7 +15,10 @@ import torch.distributed as dist
 from conftest import ROOT, STAGES
 from test_inputs import TINY, fails_fast
 import train_gpt
-from train_gpt import GPT, GPTConfig, PeakMemory, clip_coef, free_port, sum_of_squares
+import devices
+from devices import free_port
+from instruments import PeakMemory
+from train_gpt import GPT, GPTConfig, clip_coef, sum_of_squares
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -132,7 +135,7 @@ def test_out_of_range_options_refused_at_start(args, expected):
 
 def fake_cpu(monkeypatch, native_bf16, speedup):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16, raising=False)
-    monkeypatch.setattr(train_gpt, "bf16_matmul_speedup", lambda: speedup)
+    monkeypatch.setattr(devices, "bf16_matmul_speedup", lambda: speedup)
 
 
 @pytest.mark.parametrize("native_bf16, speedup, expected", [
@@ -143,18 +146,18 @@ def fake_cpu(monkeypatch, native_bf16, speedup):
 ])
 def test_auto_dtype_on_cpu(monkeypatch, native_bf16, speedup, expected):
     fake_cpu(monkeypatch, native_bf16, speedup)
-    dtype, why = train_gpt.pick_dtype("auto", torch.device("cpu"))
+    dtype, why = devices.pick_dtype("auto", torch.device("cpu"))
     assert dtype == expected and why.startswith("auto: ")
 
 
 def test_explicit_dtype_is_never_overridden(monkeypatch):
     fake_cpu(monkeypatch, False, 0.01)
-    assert train_gpt.pick_dtype("bf16", torch.device("cpu"))[0] == torch.bfloat16
-    assert train_gpt.pick_dtype("fp32", torch.device("cpu"))[0] == torch.float32
+    assert devices.pick_dtype("bf16", torch.device("cpu"))[0] == torch.bfloat16
+    assert devices.pick_dtype("fp32", torch.device("cpu"))[0] == torch.float32
 
 
 def test_the_probe_measures_something():
-    assert 0 < train_gpt.bf16_matmul_speedup(n=64, repeats=2) < math.inf
+    assert 0 < devices.bf16_matmul_speedup(n=64, repeats=2) < math.inf
 
 
 def test_first_line_names_the_dtype_and_the_formula(runner):

@@ -1,0 +1,241 @@
+"""
+devices.py: the device-specific part, kept thin and in one place, so that train_gpt.py and the stage files read as the
+algorithm: which device and dtype a run uses, the process group and the few agreements its ranks make, and, for
+ZeRO-Offload (offload.py), the device<->host copies (streams, events, pinned buffers) and the build of the C++ AdamW.
+Without CUDA each of these degrades to its CPU form (gloo, plain copies), never to another algorithm.
+"""
+import math, os, shutil, socket, sys, time
+
+import torch
+import torch.distributed as dist
+import torch.utils.cpp_extension
+
+# ----------------------------------------------------------------------------------------------------------
+# The device, the dtype and the process group.
+
+def pick_device(choice, local_rank):
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but torch sees no CUDA GPU; use --device cpu (or auto)")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise SystemExit(f"error: local rank {local_rank} but this node has {torch.cuda.device_count()} GPUs; "
+                         f"use --nproc_per_node {torch.cuda.device_count()} or fewer")
+    return torch.device("cuda", local_rank)
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def init_distributed(args):
+    if "RANK" not in os.environ:  # plain `python stageN.py`: a world of one, through the same code path
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    device = pick_device(args.device, int(os.environ["LOCAL_RANK"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+def stop(message, rank):
+    """End every rank with one error line, printed once: for an error that all ranks meet at the same point."""
+    if not dist.is_initialized():
+        raise SystemExit(message)
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    dist.barrier()  # rank 0 has printed before any rank exits (torchrun stops the others once one has exited)
+    dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(1)
+
+def bf16_matmul_speedup(n=256, repeats=5):
+    """How many times faster a bf16 matmul runs than an fp32 one on this CPU (best of `repeats`; 0.1 s at most)."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b  # warm-up: the first call picks and prepares a kernel
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best[dtype] = min(best.get(dtype, math.inf), time.perf_counter() - t0)
+    return best[torch.float32] / best[torch.bfloat16]
+
+def pick_dtype(choice, device):
+    """(dtype, why) for --dtype. auto: bf16 where it is fast, fp32 otherwise. On a CPU, bf16 is fast only with native
+    bf16 matrix instructions (AMX, AVX512-BF16): elsewhere torch's bf16 matmul runs a fallback some 80x slower than
+    fp32. torch says whether oneDNN has such a path; a short measured probe confirms it (a check that torch provides
+    alone would also pick bf16 where oneDNN only emulates it)."""
+    if choice != "auto":
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice], f"--dtype {choice}"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"auto: {torch.cuda.get_device_name(device)} supports bf16"
+        return torch.float32, f"auto: {torch.cuda.get_device_name(device)} has no bf16"
+    isa = torch.backends.cpu.get_cpu_capability()
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None and not check():
+        return torch.float32, f"auto: this CPU ({isa}) has no native bf16 matmul, where bf16 would run ~80x slower"
+    speedup = bf16_matmul_speedup()
+    if speedup >= 1.5:
+        return torch.bfloat16, f"auto: a bf16 matmul runs {speedup:.1f}x faster than fp32 on this CPU ({isa})"
+    return torch.float32, f"auto: a bf16 matmul runs only {speedup:.2f}x as fast as fp32 on this CPU ({isa})"
+
+def everyone(obj):
+    """obj from every rank, in rank order (a world of one needs no process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+def from_rank0(obj):
+    """Rank 0's obj, on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+def agree(error):
+    """Stop every rank with the first rank's error, if any rank has one (a lone exit would hang the others)."""
+    errors = [e for e in everyone(error) if e]
+    if errors:
+        raise SystemExit(errors[0])
+
+# ----------------------------------------------------------------------------------------------------------
+# ZeRO-Offload's device layer: the C++ AdamW's build, and the copies between device and host memory.
+
+_cpu_adam = {}  # code path -> the built module, once load_cpu_adam() has built it
+
+# The compiler flags of each code path of cpu_adam.cpp: exactly the instructions torch's own CPU check promises for its
+# capability of that name (ATen reports AVX2 only with FMA, AVX512 only with AVX-512 VL, BW, DQ and FMA). Never
+# -march=native: a build cached in a shared home or a container image must run on every CPU that reports the path.
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma"],
+    "scalar": [],  # portable C++: the only path on aarch64 and other CPUs (no x86 flags there)
+}
+
+def cpu_adam_isas():
+    """The kernel's code paths this CPU can run, best first, from torch.backends.cpu.get_cpu_capability() (which
+    ATEN_CPU_CAPABILITY=avx2 or =default lowers, to run another CPU's path here)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, []) + ["scalar"]
+
+def adam_threads():
+    """(threads per rank, cores, local ranks) for the kernel: this node's cores shared among its local ranks. Not
+    OMP_NUM_THREADS, which torchrun sets to 1 when nproc_per_node > 1 (one core for each rank's Adam), while without
+    torchrun every rank would take every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // local), cores, local
+
+def load_cpu_adam(isa=None, announce=False):
+    """Build cpu_adam.cpp for one code path (default: CPU_ADAM_ISA if set, else the best this CPU runs) and return the
+    module; once per path and process, and torch caches the build in TORCH_EXTENSIONS_DIR under the module's name,
+    cpu_adam_<path>. The kernel gets this rank's share of the cores. announce: print one line saying what was used."""
+    runnable = cpu_adam_isas()
+    isa = isa or os.environ.get("CPU_ADAM_ISA") or runnable[0]
+    if isa not in runnable:
+        raise RuntimeError(f"cpu_adam: no {isa!r} code path for this CPU (torch's CPU capability: "
+                           f"{torch.backends.cpu.get_cpu_capability()}); CPU_ADAM_ISA can be {', '.join(runnable)}")
+    if isa not in _cpu_adam:
+        try:
+            torch.utils.cpp_extension.verify_ninja_availability()
+            if shutil.which(os.environ.get("CXX", "c++")) is None:
+                raise RuntimeError(f"C++ compiler {os.environ.get('CXX', 'c++')!r} not found on PATH")
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")) as f:
+                # -ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike.
+                # -fno-math-errno: sqrt without a branch to set errno, so the portable loop can be vectorised.
+                # OpenMP: not with Apple's compiler, which has none (the kernel then runs on one thread).
+                omp = [] if sys.platform == "darwin" else ["-fopenmp"]
+                mod = torch.utils.cpp_extension.load_inline(
+                    name=f"cpu_adam_{isa}", cpp_sources=[f.read()],
+                    functions=["adam_step", "isa", "set_threads", "threads", "touch_28_bytes", "touch_can_stream"],
+                    extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *omp, *ISA_FLAGS[isa]],
+                    extra_ldflags=omp)
+        except Exception as e:
+            raise RuntimeError("could not build cpu_adam.cpp: install a C++ compiler (apt-get install g++) and ninja "
+                               f"(pip install ninja)\n{type(e).__name__}: {e}") from e
+        if mod.isa() != isa:  # the flags did not give the path asked for (a compiler that ignores them?)
+            raise RuntimeError(f"cpu_adam: built for {isa} with {ISA_FLAGS[isa]} but compiled the {mod.isa()} path")
+        mod.set_threads(adam_threads()[0])
+        _cpu_adam[isa] = mod
+    if announce:
+        threads, (_, cores, local) = _cpu_adam[isa].threads(), adam_threads()
+        print(f"cpu_adam: {isa} build, {threads} thread{'s' * (threads > 1)} per rank ({cores} core{'s' * (cores > 1)}"
+              f" / {local} local rank{'s' * (local > 1)})", flush=True)
+    return _cpu_adam[isa]
+
+class Copies:
+    """The device-specific part, kept thin: the compute stream (forward, backward, the waits for collectives), a copy
+    stream beside it for device<->host copies, and the events that join the two. A copy's host end must come from
+    host(), pinned with CUDA: a copy to or from pageable memory blocks the host until it is done. Without CUDA the
+    "device" is the CPU and copies are plain. ZERO_SIMULATED_STREAM=1 (the tests, on CPU) makes a copy land only when
+    a wait covers it, reading its source then: a missing wait, or a buffer reused too early, changes the numbers."""
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.host_storages = set()  # what host() allocated: the only host ends a copy may have
+        self.simulated = not self.cuda and os.environ.get("ZERO_SIMULATED_STREAM") == "1"
+        self.queued, self.landed = [], 0  # simulated: the copies not yet landed, in order; how many have landed
+
+    def host(self, numel, dtype):
+        """A zeroed buffer in CPU memory for copies to and from the device, pinned with CUDA (zeros_like of a pinned
+        tensor is not); allocate it once."""
+        t = torch.zeros(numel, dtype=dtype, pin_memory=self.cuda)
+        self.host_storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    def to_host(self, dst, src):
+        """dst.copy_(src) on the copy stream, once the compute stream has produced src; dst comes from host()."""
+        return self._copy(dst, src, dst)
+
+    def to_device(self, dst, src):
+        """dst.copy_(src) on the copy stream, once the compute stream is done with dst; src comes from host()."""
+        return self._copy(dst, src, src)
+
+    def _copy(self, dst, src, host_end):
+        if host_end.untyped_storage().data_ptr() not in self.host_storages:
+            raise RuntimeError("a device-host copy's host end must come from Copies.host(): not pinned, the copy "
+                               "would block the host until done")
+        if self.simulated:
+            self.queued.append((dst, src))
+        elif not self.cuda:
+            dst.copy_(src)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+            for t in (src, dst):
+                if t.is_cuda:
+                    t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+        return dst
+
+    def event(self):
+        """An event that fires when every copy queued so far has landed."""
+        if self.simulated:
+            return self.landed + len(self.queued)
+        return self.stream.record_event() if self.cuda else None
+
+    def host_waits(self, event):
+        """The host waits until the event's copies have landed."""
+        if self.simulated:
+            self._land(event)
+        elif event is not None:
+            event.synchronize()
+
+    def compute_waits(self, event):
+        """Work queued on the compute stream from now on waits for the event's copies; the host goes on. (Simulated:
+        they land at once, as the host itself runs the "device" work that follows.)"""
+        if self.simulated:
+            self._land(event)
+        elif event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _land(self, event):
+        """Simulated: the copies the event covers land now, in order, reading their sources now."""
+        while event is not None and self.landed < event:
+            dst, src = self.queued.pop(0)
+            dst.copy_(src)
+            self.landed += 1
