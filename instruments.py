@@ -2,13 +2,14 @@
 instruments.py: the ledgers and meters every stage is measured with, shared so that the stage files read as the
 algorithm: the bytes each collective sends (`comm`), the bytes of the tensors an engine holds, the peak of live
 tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
-and a profiler timeline of one step (--trace).
+a timeline of one step (--timeline DIR, for bench/timeline.py), and a torch.profiler trace of one (--profile DIR).
 """
-import contextlib, gc, os, sys, tempfile, warnings
+import contextlib, gc, json, os, sys, tempfile, time, warnings
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from devices import everyone
 
@@ -26,29 +27,276 @@ def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=Fal
     return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
 
 class CommLedger:
-    """The collectives the stages call, each counting the bytes this rank sends (ring algorithm)."""
+    """The collectives the stages call, each counting the bytes this rank sends (ring algorithm), and timed when a
+    Timeline is attached (--timeline: one step's timeline)."""
     def __init__(self):
         self.sent = defaultdict(float)
+        self.timeline = None
 
     def _ring(self):
         n = dist.get_world_size()
         return (n - 1) / n
 
+    def _call(self, name, fn, *args, **kwargs):
+        if self.timeline is None:
+            return fn(*args, **kwargs)
+        return self.timeline.collective(name, lambda: fn(*args, **kwargs), args, kwargs["async_op"])
+
     def all_reduce(self, t, op=dist.ReduceOp.AVG, async_op=False):
         self.sent["all_reduce"] += 2 * t.numel() * t.element_size() * self._ring()
-        return dist.all_reduce(t, op=op, async_op=async_op)
+        return self._call("all_reduce", dist.all_reduce, t, op=op, async_op=async_op)
 
     def reduce_scatter(self, out, inp, op=dist.ReduceOp.AVG, async_op=False):
         self.sent["reduce_scatter"] += inp.numel() * inp.element_size() * self._ring()
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        return fn(out, inp, op=op, async_op=async_op)
+        return self._call("reduce_scatter", fn, out, inp, op=op, async_op=async_op)
 
     def all_gather(self, out, inp, async_op=False):
         self.sent["all_gather"] += out.numel() * out.element_size() * self._ring()
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return fn(out, inp, async_op=async_op)
+        return self._call("all_gather", fn, out, inp, async_op=async_op)
 
 comm = CommLedger()
+
+class Timeline:
+    """One training step of this rank as a timeline, for bench/timeline.py. Off unless --timeline DIR is given (without
+    it nothing is hooked or wrapped); with it, main() traces the run's last step and each rank writes
+    DIR/trace_rank<r>.json, Chrome trace events in microseconds. Everything is attached from outside the engine, so
+    the stage files stay as they are:
+    - units as stage 3 defines them: each block of an nn.ModuleList, then the root with the parameters no block owns.
+      A unit's forward runs from its forward pre-hooks to its forward hooks; its backward from the gradient reaching
+      its output to the gradient of the last of its own parameters. These hooks sit on both sides of the engine's own
+      (prepend=True: before them), so what the engine does in its hooks (stage 3 gathering and freeing parameters) is
+      not the unit's compute. A block pauses the root it runs in.
+    - each collective through `comm`, from the call to its completion: the earlier of the moment its future completes
+      (a callback, which may wait for the GIL; gloo's reduce-scatter has no future, so a thread of ours waits for it)
+      and the moment the engine's wait() returns. Both come after the true completion, and a collective that finished
+      long before wait() was called does not look longer.
+    - the optimizer step (engine.step), and offload's device-host copies (the copy methods of engine.copies) and C++
+      AdamW calls (engine.adam.adam_step), wrapped on the instance.
+    A moment of the computing thread is drawn once: inside a collective's call ("issue <op>", "wait <op>": a blocking
+    collective is all wait), in the copies or C++ AdamW row when that thread runs them (on a CPU; on a GPU copies run
+    on their own stream), or else as compute.
+    On a GPU, times are CUDA events on the stream doing the work (compute, copy, or for a collective's end the stream
+    its future's callback runs on), read after the step; the C++ AdamW is timed on the host clock. (That CUDA path has
+    not run yet: the machines this was written on have no GPU.)"""
+    ROWS = {"compute": 0, "communication": 100, "copies": 200, "cpu adam": 300}  # trace tids; communication + k: lane k
+
+    @classmethod
+    def start(cls, out_dir, engine, model, device, rank, stage, step):
+        """A Timeline of training step `step` if --timeline named a directory, else None."""
+        return cls(out_dir, engine, model, device, rank, stage, step) if out_dir else None
+
+    def __init__(self, out_dir, engine, model, device, rank, stage, step):
+        import threading, types
+        self.out_dir, self.rank, self.stage, self.step = out_dir, rank, stage, step
+        self.cuda, self.on = device.type == "cuda", True
+        self.thread, self.here = threading.get_ident(), lambda: threading.get_ident() == self.thread
+        self.stack, self.since = [], None  # the compute row now: the top's label (None: not compute), since when
+        self.segments, self.calls, self.collectives, self.spans = [], [], [], {"copies": [], "cpu adam": []}
+        units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]  # as stage 3
+        self.names = {m: name or "root" for name, m in model.named_modules()}
+        owner = {}
+        for u in units:
+            for p in u.parameters():
+                owner.setdefault(p, u)
+        self.n_params, self.left = {u: list(owner.values()).count(u) for u in units}, {}
+        for u in units:
+            u.register_forward_pre_hook(lambda m, a: self._mark("push"), prepend=True)
+            u.register_forward_pre_hook(lambda m, a: self._mark("top", f"forward {self.names[m]}"))
+            u.register_forward_hook(lambda m, a, out: self._after_forward(m, out, before_engine=True), prepend=True)
+            u.register_forward_hook(lambda m, a, out: self._after_forward(m, out, before_engine=False))
+        for p, u in owner.items():
+            p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_done(u))
+        engine.step = self._wrap(engine.step, lambda: self._mark("push", "optimizer step"), lambda _: self._mark("pop"))
+        copies = getattr(engine, "copies", None)
+        stream = getattr(copies, "stream", None) if self.cuda else None
+        for name in ("copy", "to_host", "to_device"):  # offload's device layer, whichever of these it has
+            if hasattr(copies, name):
+                setattr(copies, name, self._wrap(getattr(copies, name), *self._span("copies", name, stream)))
+        adam = getattr(engine, "adam", None)
+        if hasattr(adam, "adam_step"):  # offload's C++ module: wrapped in a copy of its namespace, not in the module
+            engine.adam = types.SimpleNamespace(**{k: getattr(adam, k) for k in dir(adam) if not k.startswith("__")})
+            engine.adam.adam_step = self._wrap(adam.adam_step, *self._span("cpu adam", "adam_step", "host"))
+        comm.timeline = self
+
+    def now(self, stream=None):
+        """This moment: the host clock (CLOCK_MONOTONIC, shared by the ranks of one machine); with CUDA, an event on
+        `stream` (default: the current one)."""
+        if not self.cuda or stream == "host":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _mark(self, op, label=None):
+        """The compute row changes now: `push` label (None: the engine's hook runs), `top`: the top becomes label,
+        `pop` the top, `end` unit label's backward (its entry may be below the top: a paused unit)."""
+        if not self.on:
+            return
+        if op == "end" and self.stack[-1:] != [label]:
+            if label in self.stack:
+                self.stack.remove(label)
+            return
+        t = self.now()
+        if self.stack and self.stack[-1] is not None:
+            self.segments.append((self.stack[-1], self.since, t))
+        self.since = t
+        if op == "push":
+            self.stack.append(label)
+        elif op == "top":
+            self.stack[-1] = label
+        else:
+            self.stack.pop()
+
+    def _after_forward(self, unit, out, before_engine):
+        """Before the engine's forward hooks: the unit's forward is over; after them, back to its caller. On its
+        output, hooks on both sides of the engine's (registered in its forward hook) bracket its work before backward."""
+        self._mark("top" if before_engine else "pop")
+        outs = out if isinstance(out, tuple) else (out,)
+        t = next((t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if t is not None:
+            t.register_hook(lambda g: self._mark("push") if before_engine else self._backward_begins(unit))
+
+    def _backward_begins(self, unit):
+        self.left[unit] = self.n_params[unit]
+        self._mark("top", f"backward {self.names[unit]}")
+
+    def _grad_done(self, unit):
+        if unit in self.left:
+            self.left[unit] -= 1
+            if self.left[unit] == 0:
+                del self.left[unit]
+                self._mark("end", f"backward {self.names[unit]}")
+
+    def _wrap(self, fn, enter, leave):
+        """fn, calling enter() before and leave(enter's result) after, while tracing."""
+        def wrapped(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            token = enter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                leave(token)
+        return wrapped
+
+    def _span(self, row, name, stream):
+        """enter and leave functions that record each call as a span of `row`, timed on `stream` ("host": the host
+        clock), and whether the computing thread ran it."""
+        def enter():
+            if stream not in (None, "host"):  # what the copy itself does first: the copy stream waits for compute
+                stream.wait_stream(torch.cuda.current_stream())
+            span = [name, self.now(stream), None, self.here()]
+            self.spans[row].append(span)
+            return span
+        def leave(span):
+            span[2] = self.now(stream)
+        return enter, leave
+
+    def collective(self, name, call, tensors, async_op):
+        """Issue a collective (call()); return its handle, whose wait() is timed."""
+        if not self.on:
+            return call()
+        mib = max(t.numel() * t.element_size() for t in tensors) / 2**20
+        c = {"name": name, "issued": self.now(), "ends": [], "MiB": mib}
+        self.collectives.append(c)
+        work = call()
+        returned = self.now()
+        self.calls.append((f"{'issue' if async_op else 'wait'} {name}", c["issued"], returned))
+        if not async_op:  # the caller waited all along
+            c["ends"].append(returned)
+            return work
+        try:
+            work.get_future().then(lambda fut: c["ends"].append(self.now()))
+        except RuntimeError:  # gloo's reduce-scatter has no future: a thread waits for it instead
+            import threading
+            threading.Thread(target=lambda: (work.wait(), c["ends"].append(self.now())), daemon=True).start()
+        return TimedWork(work, c, self)
+
+    @contextlib.contextmanager
+    def window(self, step):
+        """Around every training step: what ended before it is dropped; the traced step is written when it ends."""
+        self.segments, self.calls, self.stack = [], [], []
+        self.collectives = [c for c in self.collectives if not c["ends"]]
+        self.spans = {row: [s for s in spans if s[2] is None] for row, spans in self.spans.items()}
+        if step != self.step or not self.on:
+            yield
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = self.now()
+        self.anchor = (start, time.perf_counter())  # with CUDA: an event that ran at this host time
+        yield
+        end = self.now()
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.on, comm.timeline = False, None
+        self._write(self._seconds(start), self._seconds(end))
+
+    def _seconds(self, t):
+        return t if isinstance(t, float) else self.anchor[1] + self.anchor[0].elapsed_time(t) / 1e3
+
+    def _write(self, t0, t1):
+        """DIR/trace_rank<r>.json: the step's events, each clipped to the step; compute without the holes."""
+        events, us = [], lambda t: round(t * 1e6, 3)
+        def add(name, row, a, b, tid=None, cat=None, **args):
+            a, b = max(a, t0), min(t1 if b is None else b, t1)  # still running at the end: drawn until then
+            if a < b:
+                tid = self.ROWS[row] if tid is None else tid
+                events.append(dict(name=name, cat=cat or row, ph="X", pid=self.rank, tid=tid, ts=us(a), dur=us(b) - us(a),
+                                   args=args))
+        sec = lambda span: (span[0], self._seconds(span[1]), None if span[2] is None else self._seconds(span[2]))
+        calls = [sec(c) for c in self.calls]
+        holes = calls + [sec(s) for row in self.spans.values() for s in row if s[3] and not self.cuda]
+        holes = sorted((a, t1 if b is None else b) for _, a, b in holes)
+        for label, a, b in map(sec, self.segments):
+            for h0, h1 in holes:  # what is left of [a, b) outside the holes
+                if h0 < b and h1 > a:
+                    add(label, "compute", a, min(h0, b))
+                    a = max(a, h1)
+            add(label, "compute", a, b)
+        for name, a, b in calls:
+            add(name, "compute", a, b, cat="comm call")
+        lanes = []  # collectives in flight together go to separate lanes (Chrome traces nest the events of one row)
+        for c in sorted(self.collectives, key=lambda c: self._seconds(c["issued"])):
+            a, b = self._seconds(c["issued"]), min((self._seconds(e) for e in c["ends"]), default=None)
+            lane = next((k for k, free in enumerate(lanes) if free <= a), len(lanes))
+            if lane == len(lanes):
+                lanes.append(None)
+            lanes[lane] = t1 if b is None else b  # busy until then
+            add(c["name"], "communication", a, b, self.ROWS["communication"] + lane, MiB=round(c["MiB"], 3))
+        for row, spans in self.spans.items():
+            for name, a, b in map(sec, spans):
+                add(name, row, a, b)
+        def row_name(tid):  # "communication 2": its second lane
+            base, row = max((base, row) for row, base in self.ROWS.items() if base <= tid)
+            return row + (f" {tid - base + 1}" if tid > base else "")
+        meta = [dict(ph="M", pid=self.rank, name="process_name", args=dict(name=f"rank {self.rank}")),
+                dict(ph="M", pid=self.rank, name="process_sort_index", args=dict(sort_index=self.rank))]
+        for tid in sorted({e["tid"] for e in events}):
+            meta += [dict(ph="M", pid=self.rank, tid=tid, name="thread_name", args=dict(name=row_name(tid))),
+                     dict(ph="M", pid=self.rank, tid=tid, name="thread_sort_index", args=dict(sort_index=tid))]
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"), "w") as f:
+            json.dump(dict(traceEvents=meta + events, displayTimeUnit="ms", otherData=dict(
+                rank=self.rank, stage=self.stage, step=self.step, window_us=[us(t0), us(t1)],
+                device="cuda" if self.cuda else "cpu")), f)
+
+class TimedWork:
+    """A collective's handle whose wait() is timed: its return bounds the completion; the caller waited meanwhile."""
+    def __init__(self, work, record, timeline):
+        self.work, self.record, self.timeline = work, record, timeline
+
+    def wait(self, *args, **kwargs):
+        t = self.timeline.now()
+        out = self.work.wait(*args, **kwargs)
+        self.record["ends"].append(self.timeline.now())
+        self.timeline.calls.append((f"wait {self.record['name']}", t, self.record["ends"][-1]))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 def storage_bytes(tensors):
     """Bytes of the distinct storages behind `tensors`: views of one buffer count once."""
@@ -133,7 +381,7 @@ class PeakMemory:
 
 @contextlib.contextmanager
 def timeline(trace_dir, rank, device):
-    """--trace DIR: a torch.profiler timeline of one step (CPU ops; on a GPU also its kernels and copies, each on its
+    """--profile DIR: a torch.profiler timeline of one step (CPU ops; on a GPU also its kernels and copies, each on its
     stream), forward, backward and step marked, as a Chrome trace per rank: DIR/rank{r}.json (ui.perfetto.dev shows it)."""
     cuda = device.type == "cuda"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda) as prof:

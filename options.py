@@ -36,7 +36,9 @@ def parse_args(Engine, presets, config):
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--save_master", default=None, help="write the final fp32 parameters here (torch.save, rank 0)")
     p.add_argument("--no_progress", action="store_true")
-    p.add_argument("--trace", default=None, metavar="DIR", help="write a profiler timeline of one step per rank here")
+    p.add_argument("--timeline", default=None, metavar="DIR", help="write the last step's timeline per rank here "
+                   "(bench/timeline.py draws it)")
+    p.add_argument("--profile", default=None, metavar="DIR", help="write a torch.profiler trace of one step per rank here")
     add_checkpoint_args(p)  # --ckpt_dir, --save_every, --stop_after, --resume, --consolidate, --sample
     if hasattr(Engine, "add_args"):
         Engine.add_args(p)

@@ -25,7 +25,7 @@ from checkpoint import consolidate, gather_master, load_checkpoint, load_consoli
 from options import check_args, parse_args
 from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
 from devices import Copies, load_cpu_adam  # noqa: F401 (for offload.py, which imports only this file)
-from instruments import PeakMemory, comm, holdings, pinned_theory, progress, log, report, summarize, timeline
+from instruments import PeakMemory, Timeline, comm, holdings, pinned_theory, progress, log, report, summarize, timeline
 
 # ----------------------------------------------------------------------------------------------------------
 # The model: nanoGPT's decoder (pre-LayerNorm blocks, GELU MLP, LM head tied to the token embedding), without
@@ -336,7 +336,7 @@ def train_step(engine, data, args, step, device, measured=None):
     for k in range(args.grad_accum):
         x, y = data.batch("train", args.seed * 1_000_003 + step, args.batch_size, k * world_size + rank,
                           world_size * args.grad_accum, device)
-        with torch.profiler.record_function("forward"):  # (marks for --trace; nearly free without a profiler)
+        with torch.profiler.record_function("forward"):  # (marks for --profile; nearly free without a profiler)
             loss = engine.forward(x, y)
         with torch.profiler.record_function("backward"):
             engine.backward(loss / args.grad_accum, sync=(k == args.grad_accum - 1))
@@ -390,6 +390,7 @@ def main(Engine, stage, distributed=True, formula=None):
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
     model = GPT(cfg).to(device=device, dtype=dtype)
     engine = Engine(model, args, device)
+    trace = Timeline.start(args.timeline, engine, model, device, rank, stage, step=end - 1)  # (the last step)
     th = theory(formula or stage, engine.padded_numel, world_size, dtype, args, device)
     if rank == 0:
         print(f"{stage}: {sum(p.numel() for p in model.parameters()):,} parameters (Ψ), "
@@ -406,11 +407,12 @@ def main(Engine, stage, distributed=True, formula=None):
     measure_step = start if start else min(1, end - 1)  # step 0 creates Adam's moments; step 1 is the steady state
     measured, step_times, bar = dict(peak=0), [], progress(range(start, end), start, args, rank)
     for step in bar:
-        t0, measuring, traced = time.perf_counter(), step == measure_step, args.trace and step == measure_step + 1
+        t0, measuring, profiled = time.perf_counter(), step == measure_step, args.profile and step == measure_step + 1
         comm.sent.clear()
         try:
             with PeakMemory(device) if measuring else contextlib.nullcontext() as meter, \
-                    timeline(args.trace, rank, device) if traced else contextlib.nullcontext():
+                    timeline(args.profile, rank, device) if profiled else contextlib.nullcontext(), \
+                    trace.window(step) if trace else contextlib.nullcontext():
                 loss, grad_norm, sent = train_step(engine, data, args, step, device, measured if measuring else None)
         except NonFiniteGradNorm as e:  # every rank meets it at the same step: the norm is global
             stop(f"error: step {step}: the global gradient norm is {e}, so no update was made"
@@ -418,7 +420,7 @@ def main(Engine, stage, distributed=True, formula=None):
                  + f"; lower --lr (it is {args.lr}) or --warmup's start, or check --data", rank)
         if meter:
             measured.update(peak=meter.peak, sent=sent)
-        elif not traced:  # (a traced step runs under the profiler: not timed)
+        elif not profiled:  # (a profiled step runs slower: not timed)
             step_times.append(time.perf_counter() - t0)
         history["losses"].append(loss)
         history["grad_norms"].append(grad_norm)

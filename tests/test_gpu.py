@@ -105,7 +105,7 @@ def test_gpu_ledgers_device_and_host(gpu_runner, name, nproc):
     assert s["pinned_host_bytes"] == {"measured": expected, "theory": expected}, f"{where}: pinned {s['pinned_host_bytes']}"
 
 
-# ---- overlap, read from a profiler timeline (--trace): torch.profiler with ProfilerActivity.CUDA records "on-device
+# ---- overlap, read from a profiler timeline (--profile): torch.profiler with ProfilerActivity.CUDA records "on-device
 # CUDA kernels" through CUPTI (torch.profiler docs), each with its stream and its GPU start and duration, and the
 # launch's correlation id, which ties it to the CPU call that launched it inside record_function("forward") or
 # ("backward") (train_gpt.train_step marks them). Two activities on different streams whose GPU intervals intersect
@@ -143,11 +143,11 @@ def compute_kernels(activities, phase):
 
 
 def test_timeline_reader(runner, tmp_path):
-    """The reader on a hand-made trace, and --trace's marks in a real one (runs anywhere, on the CPU): a GPU activity's
+    """The reader on a hand-made trace, and --profile's marks in a real one (runs anywhere, on the CPU): a GPU activity's
     phase comes from its launch, not from when the GPU ran it."""
     traced = tmp_path / "cpu_trace"
     runner.run(str(ROOT / "train_gpt.py"), None, "--preset", "tiny", "--steps", "3", "--no_progress", "--sample_chars", "0",
-               "--trace", str(traced))
+               "--profile", str(traced))
     marks = {e["name"] for e in json.loads((traced / "rank0.json").read_text())["traceEvents"] if e.get("cat") == "user_annotation"}
     assert {"forward", "backward", "step"} <= marks, marks
     x = lambda cat, name, ts, dur, **args: dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, args=args)
@@ -167,7 +167,7 @@ def test_timeline_reader(runner, tmp_path):
 
 def trace(gpu_runner, script, nproc, *flags):
     out = gpu_runner.tmp / f"trace_{Path(script).stem}_{nproc}{''.join(flags)}"
-    gpu_runner.run(str(ROOT / script), nproc, *OVERLAP, *flags, "--trace", str(out), env=ENV)
+    gpu_runner.run(str(ROOT / script), nproc, *OVERLAP, *flags, "--profile", str(out), env=ENV)
     return read_timeline(out / "rank0.json")
 
 

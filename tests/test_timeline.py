@@ -1,0 +1,102 @@
+"""bench/timeline.py and instruments.Timeline: what the timeline of one step shows, and that taking it changes nothing.
+Five runs of a tiny GPT on 2 ranks."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, last_lines
+
+MODEL = ["--preset", "tiny", "--n_layer", "4", "--steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def timeline(tmp_path_factory):
+    """timeline(script, *options) -> what bench/timeline.py printed, the trace.json and run.json it wrote; once each."""
+    done = {}
+
+    def run(script, *options):
+        if options not in done:
+            out = tmp_path_factory.mktemp("timeline")
+            cmd = [sys.executable, str(ROOT / "bench" / "timeline.py"), str(ROOT / script), "--nproc", "2", *MODEL,
+                   *options, "--out", str(out)]
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+            assert p.returncode == 0, f"{' '.join(cmd)} failed:\n" + "\n".join(last_lines(p.stdout + p.stderr, 25))
+            done[options] = (p.stdout, *(json.loads((out / f).read_text()) for f in ("trace.json", "run.json")))
+        return done[options]
+    return run
+
+
+def spans(trace, rank, keep):
+    return [(e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e["pid"] == rank and keep(e)]
+
+
+def overlap(a, b):
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def most_under_backward(trace):
+    """The largest share of an all-reduce's flight that some rank spent computing a backward."""
+    shares = []
+    for rank in (0, 1):
+        backward = spans(trace, rank, lambda e: e["cat"] == "compute" and e["name"].startswith("backward "))
+        for a in spans(trace, rank, lambda e: e["name"] == "all_reduce" and e["args"]["MiB"] > 0.01):  # not the norm
+            shares.append(sum(overlap(a, b) for b in backward) / (a[1] - a[0]))
+    return max(shares)
+
+
+def test_stage0_buckets_reduce_while_backward_runs(timeline):
+    """Small buckets: a bucket's all-reduce is in flight while backward goes on (for at least half of its flight, so
+    not only the microseconds between issuing it and the end of the unit's backward). One bucket: it starts only when
+    backward is over."""
+    _, trace, _ = timeline("stage0_ddp.py", "--bucket_mb", "0.05")
+    assert most_under_backward(trace) >= 0.5, "no all-reduce of a gradient bucket overlapped backward"
+    _, trace, _ = timeline("stage0_ddp.py", "--bucket_mb", "1000")
+    assert most_under_backward(trace) < 0.5, "one bucket: its all-reduce cannot start before backward ends"
+
+
+def test_stage3_no_prefetch_gathers_nothing_during_forward(timeline):
+    """--no_prefetch: a unit's parameters are gathered only when it is about to run, so no all-gather is in flight
+    while any unit computes its forward. With prefetch (the default), the next unit's is."""
+    def gathered_during_forward(trace):
+        return sum(overlap(g, f) for rank in (0, 1)
+                   for g in spans(trace, rank, lambda e: e["name"] == "all_gather")
+                   for f in spans(trace, rank, lambda e: e["cat"] == "compute" and e["name"].startswith("forward ")))
+    _, trace, _ = timeline("stage3.py", "--no_prefetch")
+    assert spans(trace, 0, lambda e: e["name"] == "all_gather") and spans(trace, 0, lambda e: e["cat"] == "compute")
+    assert gathered_during_forward(trace) == 0, "an all-gather was in flight during a forward, without prefetch"
+    _, trace, _ = timeline("stage3.py")
+    assert gathered_during_forward(trace) > 0, "with prefetch, the next unit's all-gather runs during a forward"
+
+
+def test_printed_overlap_is_the_traces(timeline):
+    """The overlap fraction printed is the one trace.json gives, computed here another way: by walking the moments
+    where any interval of a rank starts or ends, and summing the stretches where a collective is in flight and the
+    rank computes."""
+    printed, trace, _ = timeline("stage0_ddp.py", "--bucket_mb", "0.05")
+    shown = float(re.search(r"^communication overlapped by compute: ([\d.]+)%", printed, re.M).group(1))
+    both = total = 0.0
+    for rank in (0, 1):
+        comm = spans(trace, rank, lambda e: e["cat"] == "communication")
+        compute = spans(trace, rank, lambda e: e["cat"] == "compute")
+        moments = sorted({t for s in comm + compute for t in s})
+        for a, b in zip(moments, moments[1:]):
+            mid = (a + b) / 2
+            if any(s <= mid < e for s, e in comm):
+                total += b - a
+                both += (b - a) * any(s <= mid < e for s, e in compute)
+    assert total > 0
+    assert abs(100 * both / total - shown) <= 0.05 + 1e-9, f"printed {shown}%, trace.json: {100 * both / total:.3f}%"
+
+
+def test_tracing_changes_no_number(timeline, runner):
+    """The traced run (hooks, wrapped handles, a thread waiting on each reduce-scatter) trains exactly as without."""
+    _, _, traced = timeline("stage3.py", "--no_prefetch")
+    plain = runner.run(str(ROOT / "stage3.py"), 2, *MODEL, "--no_prefetch", "--no_progress", "--sample_chars", "0",
+                       "--eval_batches", "1").summary
+    assert (traced["losses"], traced["grad_norms"]) == (plain["losses"], plain["grad_norms"])
