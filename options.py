@@ -66,3 +66,14 @@ def check_args(args, world_size):
         raise SystemExit("error: --save_every must be 0 or more and --stop_after at least 1")
     if args.save_every and not args.ckpt_dir:
         raise SystemExit("error: --save_every needs --ckpt_dir DIR, the directory to save into")
+
+def gpt_config(args, presets, config):
+    """The preset's GPT (a `config`) with the --n_layer ... overrides given."""
+    n_layer, n_head, n_embd, block_size, vocab_size = presets[args.preset]
+    cfg = config(block_size, vocab_size, n_layer, n_head, n_embd)
+    for f in fields(config):
+        if getattr(args, f.name) is not None:
+            setattr(cfg, f.name, getattr(args, f.name))
+    if cfg.n_embd % cfg.n_head:
+        raise SystemExit(f"error: --n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}")
+    return cfg
