@@ -1,6 +1,8 @@
 """
-bench/compare.py: every stage at N = 1, 2, 4 in one command; one Markdown table and one picture of the memory,
-built from the runs' JSON summaries only (nothing typed by hand).
+bench/compare.py: every stage at N = 1, 2, 4 in one command, and the memory per rank falling stage by stage.
+
+One Markdown table and one picture of the memory, built from the runs' JSON summaries only (nothing typed by hand),
+written to --out_dir (runs/compare/: table.md, summary.json, memory.png; README shows a copy, in bench/results/).
 
     python bench/compare.py                                   # defaults: a few minutes on a 2-core CPU
     python bench/compare.py --nproc 2 4 --stages stage0 stage3 --steps 10 --dtype bf16
