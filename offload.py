@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.cpp_extension
 
-from train_gpt import clip_coef, comm, main, sum_of_squares
+from train_gpt import clip_coef, comm, main, sum_of_squares, trained
 
 _cpu_adam = {}  # code path -> the built module, once load_cpu_adam() has built it
 
@@ -198,22 +198,23 @@ class OffloadEngine:
         parser.add_argument("--offload_params", action="store_true", help="keep the parameter shard on the CPU too")
         parser.add_argument("--delayed_update", action="store_true", help="run step t's CPU update during step t+1")
 
-    def __init__(self, model, args, device):
+    def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = list(model.parameters())
-        # [ZeRO-3] one bucket per unit (each ModuleList child, then the root): a unit's parameters not already taken
-        units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]
+        params = [p for _, p in trained(model)]
+        # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
+        units = [*(units or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]), model]
         self.buckets, self.bucket_of, self.offset, end = [], {}, {}, 0
-        for m in units:  # the root comes last and takes the parameters no block owns
-            self.buckets.append(Bucket(end, m))
+        for m in units:  # the root comes last and takes the parameters no other unit owns
+            b = Bucket(end, m)
             for p in m.parameters():
-                if p not in self.bucket_of:
-                    b = self.buckets[-1]
+                if p.requires_grad and p not in self.bucket_of:
                     self.bucket_of[p], self.offset[p] = b, b.end - b.start
                     b.params.append(p)
                     b.end += p.numel()
-            end = self._pad(self.buckets[-1])
+            if b.params:  # a unit with nothing to train is left alone: no bucket, no hooks
+                self.buckets.append(b)
+                end = self._pad(b)
         self.padded_numel = end
         # [/ZeRO-3]
 
@@ -225,6 +226,8 @@ class OffloadEngine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; the C++ AdamW
         self.copies, self.device = Copies(device), device
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float().cpu()
@@ -336,8 +339,8 @@ class OffloadEngine:
         b.grad = b.reduced = b.work = None
     # [/Offload]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
         self.sync = sync
@@ -414,7 +417,7 @@ class OffloadEngine:
         """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
         self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)
         state, pieces = (self.master, self.adam_m, self.adam_v), []
-        for name, p in self.model.named_parameters():
+        for name, p in trained(self.model):
             b = self.bucket_of[p]
             s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
             lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)

@@ -22,7 +22,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares
+from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares, trained
 
 
 class Bucket:
@@ -44,7 +44,7 @@ class DDPEngine:
     def __init__(self, model, args, device):
         self.model, self.args = model, args
         self.world_size = dist.get_world_size()
-        params = list(model.parameters())[::-1]  # backward meets the last layers first: their bucket fills first
+        params = [p for _, p in trained(model)][::-1]  # backward meets the last layers first: their bucket fills first
         # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
         self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
@@ -65,6 +65,8 @@ class DDPEngine:
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
             b.grad = torch.zeros_like(b.param)
+        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         self.master = torch.cat([b.param for b in self.buckets]).float()  # fp32 master weights
         self.optimizer = AdamW(self.master, args)
         for p in params:
@@ -83,8 +85,8 @@ class DDPEngine:
             b.work = comm.all_reduce(b.grad, async_op=True)
     # [/DDP]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
     # [DDP] run backward (communicating only if sync: no_sync before the last micro-step), then wait for every bucket
     def backward(self, loss, sync):
@@ -114,7 +116,7 @@ class DDPEngine:
     def state_pieces(self):
         """The training state this rank holds (all of it, here), as (name, [lo, hi) of its elements, its state's views)."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
-        for name, p in self.model.named_parameters():
+        for name, p in trained(self.model):
             at = self.bucket_of[p].start + self.offset[p]
             pieces.append((name, 0, p.numel(), [t[at:at + p.numel()] for t in state]))
         return pieces

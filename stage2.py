@@ -21,7 +21,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares
+from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares, trained
 
 
 class Bucket:
@@ -45,7 +45,7 @@ class ZeRO2Engine:
     def __init__(self, model, args, device):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = list(model.parameters())[::-1]  # backward meets the last layers first: their bucket fills first
+        params = [p for _, p in trained(model)][::-1]  # backward meets the last layers first: their bucket fills first
         # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
         self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
@@ -65,6 +65,8 @@ class ZeRO2Engine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
         # [/ZeRO-1]
@@ -118,8 +120,8 @@ class ZeRO2Engine:
         b.grad = b.reduced = b.work = None
     # [/ZeRO-2]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
         for b in self.buckets:  # every micro-step reduces: only the shard accumulates
@@ -153,7 +155,7 @@ class ZeRO2Engine:
     def state_pieces(self):
         """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
-        for name, p in self.model.named_parameters():
+        for name, p in trained(self.model):
             b = self.bucket_of[p]
             s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
             lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)

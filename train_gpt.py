@@ -7,8 +7,9 @@ measure each stage against the ZeRO paper's memory model. Run alone, it is the s
     python train_gpt.py --data input.txt --dtype fp32     # any UTF-8 text; fp32 for exact comparisons
 
 Every stage file (stage0_ddp.py ... offload.py) imports this file's GPT, data and `main` loop, and brings
-only its Engine: the class that holds this rank's model states and moves them. An Engine has
-    forward(x, y) -> loss          backward(loss, sync)           step(lr) -> global grad norm
+only its Engine: the class that holds this rank's model states and moves them. An Engine takes any nn.Module (it
+trains the parameters that require a gradient: examples/any_model.py) and has
+    forward(*args, **kwargs) -> the model's output     backward(loss, sync)     step(lr) -> global grad norm
     model_states() -> {category: [tensors]}    state_pieces() -> [(name, lo, hi, [master, m, v views])]
     resume(step)   (a checkpoint has filled the pieces: count the steps, send the weights to the model)
 and `padded_numel`, the parameter count its partitioning pads to (Ψ').
@@ -323,6 +324,14 @@ def timeline(trace_dir, rank, device):
     prof.export_chrome_trace(os.path.join(trace_dir, f"rank{rank}.json"))
 
 # ----------------------------------------------------------------------------------------------------------
+# Any nn.Module: what an engine trains.
+
+def trained(model):
+    """(name, parameter) for each parameter an engine trains: those that require a gradient, each hooked, bucketed and
+    sharded. Frozen parameters and buffers are rank 0's (an engine broadcasts them once) and are left alone."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+# ----------------------------------------------------------------------------------------------------------
 # The reference engine: the recipe on one device, no distribution. Every stage must match it.
 
 class AdamW:
@@ -378,13 +387,13 @@ def clip_coef(norm, max_norm):
 class SingleDeviceEngine:
     def __init__(self, model, args, device):
         self.model, self.args = model, args
-        self.params = list(model.parameters())
+        self.params = [p for _, p in trained(model)]
         self.padded_numel = sum(p.numel() for p in self.params)
         self.master = [p.detach().float().clone() for p in self.params]  # fp32 master weights
         self.optimizers = [AdamW(m, args) for m in self.master]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
         loss.backward()  # gradients accumulate in p.grad across micro-steps
@@ -405,7 +414,7 @@ class SingleDeviceEngine:
 
     def state_pieces(self):
         return [(name, 0, p.numel(), [m.view(-1), o.exp_avg.view(-1), o.exp_avg_sq.view(-1)])
-                for (name, p), m, o in zip(self.model.named_parameters(), self.master, self.optimizers)]
+                for (name, p), m, o in zip(trained(self.model), self.master, self.optimizers)]
 
     def resume(self, step):
         for o in self.optimizers:
