@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.cpp_extension
 
-from train_gpt import clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import Misuse, clip_coef, comm, main, sum_of_squares, trained
 
 _cpu_adam = {}  # code path -> the built module, once load_cpu_adam() has built it
 
@@ -247,10 +247,11 @@ class OffloadEngine:
         if args.offload_params:  # the parameter shard in CPU memory too: it travels to the device inside the gather
             self.param_shard = self.copies.host(self.param_shard.numel(), self.param_shard.dtype).copy_(self.param_shard)
         self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype) if args.delayed_update else None
-        self.update, self.grads_on_host, self.sync = None, None, True
+        self.update, self.grads_on_host = None, None
         self.updater = ThreadPoolExecutor(1) if args.delayed_update else None  # the thread --delayed_update runs in
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -307,6 +308,8 @@ class OffloadEngine:
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        if b.waiting == 0:  # engine.backward did not arm this hook
+            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -340,19 +343,26 @@ class OffloadEngine:
     # [/Offload]
 
     def forward(self, *args, **kwargs):
+        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
+            raise RuntimeError(Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync
+        self.sync = sync  # whether step may follow: the step's gradient is complete
         for b in self.buckets:  # every micro-step reduces
             b.waiting = len(b.params)
         loss.backward()
+        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
+            raise RuntimeError(Misuse.NO_GRADIENT)
         while self.in_flight:
             self._release(self.in_flight.pop())
         if sync:
             self.grads_on_host = self.copies.event()  # fires when the last gradient shard has landed on the CPU
 
     def step(self, lr):
+        if not self.sync:
+            raise RuntimeError(Misuse.NO_BACKWARD)
+        self.sync = False  # this gradient is used up: the next step needs another backward
         # [Offload] wait for the gradients on the CPU; global norm; C++ AdamW there; parameters back (or later, delayed)
         self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets).to(self.device)

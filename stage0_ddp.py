@@ -22,7 +22,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
 
 class Bucket:
@@ -71,13 +71,15 @@ class DDPEngine:
         self.optimizer = AdamW(self.master, args)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = True
+        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [DDP] add p's gradient into its bucket; once the bucket is complete (and sync), start its async all-reduce (average)
     def _grad_ready(self, p):
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's all-reduce now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        if b.waiting == 0:  # engine.backward did not arm this hook
+            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
@@ -86,6 +88,8 @@ class DDPEngine:
     # [/DDP]
 
     def forward(self, *args, **kwargs):
+        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
+            raise RuntimeError(Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     # [DDP] run backward (communicating only if sync: no_sync before the last micro-step), then wait for every bucket
@@ -94,12 +98,17 @@ class DDPEngine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
+        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
+            raise RuntimeError(Misuse.NO_GRADIENT)
         if sync:
             for b in self.buckets:
                 b.work.wait()
     # [/DDP]
 
     def step(self, lr):
+        if not self.sync:
+            raise RuntimeError(Misuse.NO_BACKWARD)
+        self.sync = False  # this gradient is used up: the next step needs another backward
         norm = sum(sum_of_squares(b.grad) for b in self.buckets).sqrt()  # every rank holds the whole averaged gradient
         coef = clip_coef(norm, self.args.grad_clip)
         # AdamW bucket by bucket: one bucket's gradient in fp32 at a time, never a copy of the whole gradient

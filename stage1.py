@@ -22,7 +22,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
 
 class Bucket:
@@ -74,7 +74,7 @@ class ZeRO1Engine:
         self.optimizer = AdamW(self.master, args)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = True
+        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -96,6 +96,8 @@ class ZeRO1Engine:
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        if b.waiting == 0:  # engine.backward did not arm this hook
+            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
@@ -105,6 +107,8 @@ class ZeRO1Engine:
             # [/ZeRO-1]
 
     def forward(self, *args, **kwargs):
+        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
+            raise RuntimeError(Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
@@ -114,11 +118,16 @@ class ZeRO1Engine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
+        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
+            raise RuntimeError(Misuse.NO_GRADIENT)
         if sync:
             for b in self.buckets:
                 b.work.wait()
 
     def step(self, lr):
+        if not self.sync:
+            raise RuntimeError(Misuse.NO_BACKWARD)
+        self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares

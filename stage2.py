@@ -21,7 +21,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
 
 class Bucket:
@@ -75,6 +75,7 @@ class ZeRO2Engine:
         self.in_flight = []
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -96,6 +97,8 @@ class ZeRO2Engine:
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        if b.waiting == 0:  # engine.backward did not arm this hook
+            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -121,16 +124,24 @@ class ZeRO2Engine:
     # [/ZeRO-2]
 
     def forward(self, *args, **kwargs):
+        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
+            raise RuntimeError(Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
+        self.sync = sync  # whether step may follow: the step's gradient is complete
         for b in self.buckets:  # every micro-step reduces: only the shard accumulates
             b.waiting = len(b.params)
         loss.backward()
+        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
+            raise RuntimeError(Misuse.NO_GRADIENT)
         while self.in_flight:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
+        if not self.sync:
+            raise RuntimeError(Misuse.NO_BACKWARD)
+        self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares

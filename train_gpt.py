@@ -324,12 +324,22 @@ def timeline(trace_dir, rank, device):
     prof.export_chrome_trace(os.path.join(trace_dir, f"rank{rank}.json"))
 
 # ----------------------------------------------------------------------------------------------------------
-# Any nn.Module: what an engine trains.
+# Any nn.Module: what an engine trains, and the misuse every engine refuses, each with one line that names the fix.
 
 def trained(model):
     """(name, parameter) for each parameter an engine trains: those that require a gradient, each hooked, bucketed and
     sharded. Frozen parameters and buffers are rank 0's (an engine broadcasts them once) and are left alone."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+class Misuse:
+    OUTSIDE_BACKWARD = ("a gradient arrived outside engine.backward (was loss.backward() called directly?): call "
+                        "engine.backward(loss, sync), which arms the engine's hooks and reduces the gradient across ranks")
+    NO_GRADIENT = ("engine.backward: a trained parameter got no gradient: every parameter that requires grad must take "
+                   "part in the loss; freeze the others (requires_grad_(False)) before building the engine")
+    NO_BACKWARD = ("engine.step: no engine.backward(loss, sync=True) since the last step: call it on each step's last "
+                   "micro-step (sync=False on the ones before)")
+    CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
+               "replaced, requires_grad switched): build the engine after the model's last change")
 
 # ----------------------------------------------------------------------------------------------------------
 # The reference engine: the recipe on one device, no distribution. Every stage must match it.
