@@ -419,6 +419,13 @@ class OffloadEngine:
             self._send(slice(None))
             self.copies.host_waits(self.copies.event())  # for the next forward, and before the next update rewrites staging
 
+    def grad(self, p):
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True) until
+        step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        self.copies.host_waits(self.grads_on_host)  # the shard has landed in CPU memory
+        lo, hi, at = self._piece(p)
+        return lo, self.grad_shard[at:at + hi - lo]
+
     def model_states(self):
         return {"params": [self.param_shard], "grads": [self.grad_shard] + [self.spare_grad_shard] * self.args.delayed_update,
                 "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
@@ -428,13 +435,17 @@ class OffloadEngine:
         self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)
         state, pieces = (self.master, self.adam_m, self.adam_v), []
         for name, p in trained(self.model):
-            b = self.bucket_of[p]
-            s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
-            lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
-            if lo < hi:  # p overlaps this rank's shard of its bucket
-                at = self._shard(b).start + lo - self.rank * s
-                pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
+            lo, hi, at = self._piece(p)
+            if lo < hi:  # this rank holds some of p
+                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
+
+    def _piece(self, p):
+        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+        b = self.bucket_of[p]
+        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
+        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
         """A checkpoint has filled this rank's master shard and moments: count its steps, cast it into its parameters."""

@@ -118,6 +118,12 @@ class DDPEngine:
             b.grad.zero_()
         return norm
 
+    def grad(self, p):
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True) until
+        step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        b = self.bucket_of[p]
+        return 0, b.grad[self.offset[p]:self.offset[p] + p.numel()]  # all of it, a view of its bucket
+
     def model_states(self):
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
                 "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
@@ -126,9 +132,14 @@ class DDPEngine:
         """The training state this rank holds (all of it, here), as (name, [lo, hi) of its elements, its state's views)."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
-            at = self.bucket_of[p].start + self.offset[p]
-            pieces.append((name, 0, p.numel(), [t[at:at + p.numel()] for t in state]))
+            lo, hi, at = self._piece(p)
+            if lo < hi:  # this rank holds some of p
+                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
+
+    def _piece(self, p):
+        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+        return 0, p.numel(), self.bucket_of[p].start + self.offset[p]  # all of p
 
     def resume(self, step):
         """A checkpoint has filled the master weights and moments: count its steps, and cast it into the model."""

@@ -146,6 +146,12 @@ class ZeRO1Engine:
         self.grad_shard = None
         return norm
 
+    def grad(self, p):
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True) until
+        step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        lo, hi, at = self._piece(p)
+        return lo, self.grad_shard[at:at + hi - lo]
+
     def model_states(self):
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
                 "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
@@ -154,13 +160,17 @@ class ZeRO1Engine:
         """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
-            b = self.bucket_of[p]
-            s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
-            lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
-            if lo < hi:  # p overlaps this rank's shard of its bucket
-                at = self._shard(b).start + lo - self.rank * s
-                pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
+            lo, hi, at = self._piece(p)
+            if lo < hi:  # this rank holds some of p
+                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
+
+    def _piece(self, p):
+        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+        b = self.bucket_of[p]
+        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
+        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
         """A checkpoint has filled this rank's master shard and moments: count its steps, gather it into the model."""

@@ -10,6 +10,7 @@ Every stage file (stage0_ddp.py ... offload.py) imports this file's GPT, data an
 only its Engine: the class that holds this rank's model states and moves them. An Engine takes any nn.Module (it
 trains the parameters that require a gradient: examples/any_model.py) and has
     forward(*args, **kwargs) -> the model's output     backward(loss, sync)     step(lr) -> global grad norm
+    grad(p) -> (lo, view) of the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
     model_states() -> {category: [tensors]}    state_pieces() -> [(name, lo, hi, [master, m, v views])]
     resume(step)   (a checkpoint has filled the pieces: count the steps, send the weights to the model)
 and `padded_numel`, the parameter count its partitioning pads to (Ψ').
@@ -417,6 +418,9 @@ class SingleDeviceEngine:
             p.data.copy_(m)
             p.grad = None
         return norm
+
+    def grad(self, p):
+        return 0, p.grad.view(-1)  # all of p's gradient, from element 0
 
     def model_states(self):
         return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None], "master": self.master,
