@@ -420,8 +420,8 @@ class OffloadEngine:
             self.copies.host_waits(self.copies.event())  # for the next forward, and before the next update rewrites staging
 
     def grad(self, p):
-        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True) until
-        step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
+        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
         self.copies.host_waits(self.grads_on_host)  # the shard has landed in CPU memory
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]

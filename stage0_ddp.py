@@ -119,8 +119,8 @@ class DDPEngine:
         return norm
 
     def grad(self, p):
-        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True) until
-        step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
+        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
         b = self.bucket_of[p]
         return 0, b.grad[self.offset[p]:self.offset[p] + p.numel()]  # all of it, a view of its bucket
 

@@ -160,8 +160,8 @@ class ZeRO2Engine:
         return norm
 
     def grad(self, p):
-        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True) until
-        step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
+        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 

@@ -334,7 +334,7 @@ def trained(model):
 
 class Misuse:
     OUTSIDE_BACKWARD = ("a gradient arrived outside engine.backward (was loss.backward() called directly?): call "
-                        "engine.backward(loss, sync), which arms the engine's hooks and reduces the gradient across ranks")
+                        "engine.backward(loss, sync), which arms the engine's hooks and reduces gradients across ranks")
     NO_GRADIENT = ("engine.backward: a trained parameter got no gradient: every parameter that requires grad must take "
                    "part in the loss; freeze the others (requires_grad_(False)) before building the engine")
     NO_BACKWARD = ("engine.step: no engine.backward(loss, sync=True) since the last step: call it on each step's last "
