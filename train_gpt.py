@@ -657,7 +657,7 @@ def consolidate(path, out):
 # ----------------------------------------------------------------------------------------------------------
 # Set-up, with every bad input refused before any work starts.
 
-def parse_args(Engine):
+def parse_args(Engine, argv=None):
     p = argparse.ArgumentParser(description=(Engine.__doc__ or "").strip().split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
@@ -696,7 +696,7 @@ def parse_args(Engine):
     p.add_argument("--sample", default=None, metavar="FILE", help="print text from a consolidated file, then exit")
     if hasattr(Engine, "add_args"):
         Engine.add_args(p)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 def pick_device(choice, local_rank):
     if choice == "cuda" and not torch.cuda.is_available():
