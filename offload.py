@@ -422,7 +422,7 @@ class OffloadEngine:
     def grad(self, p):
         """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
         until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
-        self.copies.host_waits(self.grads_on_host)  # the shard has landed in CPU memory
+        self.copies.host_waits(self.copies.event())  # every copy queued so far has landed: the gradient shard's too
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 

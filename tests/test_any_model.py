@@ -21,11 +21,11 @@ import any_model  # noqa: E402
 EXAMPLE = str(ROOT / "examples" / "any_model.py")
 
 
-def run_example(runner, stage_file, nproc, *args):
+def run_example(runner, stage_file, nproc, env=None):
     extra = ["--bucket_mb", "0.002"] if "--bucket_mb" in runner.options(stage_file) else []  # several buckets, padded
     if runner.torchrun:
-        return runner.launch(EXAMPLE, nproc, "--stage", stage_file, *extra, *args)
-    return runner.spawn(EXAMPLE, nproc, ["--stage", stage_file, *extra, *args])
+        return runner.launch(EXAMPLE, nproc, "--stage", stage_file, *extra, env=env)
+    return runner.spawn(EXAMPLE, nproc, ["--stage", stage_file, *extra], env)
 
 
 def test_the_example_checks_to_the_gpt_tests_tolerances():
@@ -39,6 +39,13 @@ def test_any_model_matches_the_reference(runner, stage_file, nproc):
     assert p.returncode == 0 and "the same as the single-process reference" in p.stdout, (
         f"examples/any_model.py --stage {stage_file} at N={nproc} (exit code {p.returncode}):\n"
         + "\n".join(last_lines(p.stdout + p.stderr, 15)))
+
+
+def test_offload_grad_waits_for_the_gradient_copies(runner):
+    """On the simulated stream a device-host copy lands only when a wait covers it (tests/test_offload.py): without
+    its wait, offload's grad() would read a gradient shard of zeros."""
+    p = run_example(runner, str(ROOT / "offload.py"), 2, env={"ZERO_SIMULATED_STREAM": "1"})
+    assert p.returncode == 0, "\n".join(last_lines(p.stdout + p.stderr, 15))
 
 
 def test_the_example_fails_on_a_mismatch(runner, tmp_path):
