@@ -38,6 +38,8 @@ class SetClassifier(nn.Module):
         super().__init__()
         self.embed = nn.Linear(D_IN, WIDTH).requires_grad_(False)  # frozen: trained elsewhere, say
         self.register_buffer("scale", torch.rand(D_IN) + 0.5)  # per-feature input scale, not trained
+        # LayerNorm without a bias, as in the GPT: a tensor that starts at 0 stays tiny for some steps, and the tests'
+        # tolerance (1e-6 of a tensor's largest value) would then be finer than fp32's rounding of a different sum order
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(WIDTH, bias=False), nn.Linear(WIDTH, WIDTH), nn.GELU())
                                     for _ in range(depth))
         self.head = nn.Linear(WIDTH, CLASSES)
