@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import Copies, clip_coef, comm, load_cpu_adam, main, sum_of_squares
+from train_gpt import Copies, Misuse, clip_coef, comm, load_cpu_adam, main, sum_of_squares, trained
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -54,22 +54,23 @@ class OffloadEngine:
         parser.add_argument("--offload_params", action="store_true", help="keep the parameter shard on the CPU too")
         parser.add_argument("--delayed_update", action="store_true", help="run step t's CPU update during step t+1")
 
-    def __init__(self, model, args, device):
+    def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = list(model.parameters())
-        # [ZeRO-3] one bucket per unit (each ModuleList child, then the root): a unit's parameters not already taken
-        units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]
+        params = [p for _, p in trained(model)]
+        # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
+        units = [*(units or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]), model]
         self.buckets, self.bucket_of, self.offset, end = [], {}, {}, 0
-        for m in units:  # the root comes last and takes the parameters no block owns
-            self.buckets.append(Bucket(end, m))
+        for m in units:  # the root comes last and takes the parameters no other unit owns
+            b = Bucket(end, m)
             for p in m.parameters():
-                if p not in self.bucket_of:
-                    b = self.buckets[-1]
+                if p.requires_grad and p not in self.bucket_of:
                     self.bucket_of[p], self.offset[p] = b, b.end - b.start
                     b.params.append(p)
                     b.end += p.numel()
-            end = self._pad(self.buckets[-1])
+            if b.params:  # a unit with nothing to train is left alone: no bucket, no hooks
+                self.buckets.append(b)
+                end = self._pad(b)
         self.padded_numel = end
         # [/ZeRO-3]
 
@@ -81,6 +82,8 @@ class OffloadEngine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; the C++ AdamW
         self.copies, self.device = Copies(device), device
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float().cpu()
@@ -100,10 +103,11 @@ class OffloadEngine:
         if args.offload_params:  # the parameter shard in CPU memory too: it travels to the device inside the gather
             self.param_shard = self.copies.host(self.param_shard.numel(), self.param_shard.dtype).copy_(self.param_shard)
         self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype) if args.delayed_update else None
-        self.update, self.grads_on_host, self.sync = None, None, True
+        self.update, self.grads_on_host = None, None
         self.updater = ThreadPoolExecutor(1) if args.delayed_update else None  # the thread --delayed_update runs in
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -160,6 +164,8 @@ class OffloadEngine:
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        if b.waiting == 0:  # engine.backward did not arm this hook
+            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -192,20 +198,27 @@ class OffloadEngine:
         b.grad = b.reduced = b.work = None
     # [/Offload]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
+            raise RuntimeError(Misuse.CHANGED)
+        return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync
+        self.sync = sync  # whether step may follow: the step's gradient is complete
         for b in self.buckets:  # every micro-step reduces
             b.waiting = len(b.params)
         loss.backward()
+        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
+            raise RuntimeError(Misuse.NO_GRADIENT)
         while self.in_flight:
             self._release(self.in_flight.pop())
         if sync:
             self.grads_on_host = self.copies.event()  # fires when the last gradient shard has landed on the CPU
 
     def step(self, lr):
+        if not self.sync:
+            raise RuntimeError(Misuse.NO_BACKWARD)
+        self.sync = False  # this gradient is used up: the next step needs another backward
         # [Offload] wait for the gradients on the CPU; global norm; C++ AdamW there; parameters back (or later, delayed)
         self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets).to(self.device)
@@ -262,6 +275,13 @@ class OffloadEngine:
             self._send(slice(None))
             self.copies.host_waits(self.copies.event())  # for the next forward, and before the next update rewrites staging
 
+    def grad(self, p):
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
+        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        self.copies.host_waits(self.copies.event())  # every copy queued so far has landed: the gradient shard's too
+        lo, hi, at = self._piece(p)
+        return lo, self.grad_shard[at:at + hi - lo]
+
     def model_states(self):
         return {"params": [self.param_shard], "grads": [self.grad_shard] + [self.spare_grad_shard] * self.args.delayed_update,
                 "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
@@ -270,14 +290,18 @@ class OffloadEngine:
         """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
         self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)
         state, pieces = (self.master, self.adam_m, self.adam_v), []
-        for name, p in self.model.named_parameters():
-            b = self.bucket_of[p]
-            s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
-            lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
-            if lo < hi:  # p overlaps this rank's shard of its bucket
-                at = self._shard(b).start + lo - self.rank * s
-                pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
+        for name, p in trained(self.model):
+            lo, hi, at = self._piece(p)
+            if lo < hi:  # this rank holds some of p
+                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
+
+    def _piece(self, p):
+        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+        b = self.bucket_of[p]
+        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
+        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
         """A checkpoint has filled this rank's master shard and moments: count its steps, cast it into its parameters."""

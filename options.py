@@ -7,7 +7,7 @@ from dataclasses import fields
 
 from checkpoint import add_checkpoint_args
 
-def parse_args(Engine, presets, config):
+def parse_args(Engine, presets, config, argv=None):
     """The options of train_gpt.main, and the Engine's own (its add_args): the GPT (a preset, and overrides of its
     `config` fields), the data, the recipe, the run."""
     p = argparse.ArgumentParser(description=(Engine.__doc__ or "").strip().split("\n")[0],
@@ -42,7 +42,7 @@ def parse_args(Engine, presets, config):
     add_checkpoint_args(p)  # --ckpt_dir, --save_every, --stop_after, --resume, --consolidate, --sample
     if hasattr(Engine, "add_args"):
         Engine.add_args(p)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 def check_args(args, world_size):
     """Every option that could ruin a run silently (beta = 1 turns every weight into NaN), refused before any work."""

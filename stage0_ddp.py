@@ -22,7 +22,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
 
 class Bucket:
@@ -44,7 +44,7 @@ class DDPEngine:
     def __init__(self, model, args, device):
         self.model, self.args = model, args
         self.world_size = dist.get_world_size()
-        params = list(model.parameters())[::-1]  # backward meets the last layers first: their bucket fills first
+        params = [p for _, p in trained(model)][::-1]  # backward meets the last layers first: their bucket fills first
         # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
         self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
@@ -65,17 +65,21 @@ class DDPEngine:
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
             b.grad = torch.zeros_like(b.param)
+        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         self.master = torch.cat([b.param for b in self.buckets]).float()  # fp32 master weights
         self.optimizer = AdamW(self.master, args)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = True
+        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [DDP] add p's gradient into its bucket; once the bucket is complete (and sync), start its async all-reduce (average)
     def _grad_ready(self, p):
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's all-reduce now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        if b.waiting == 0:  # engine.backward did not arm this hook
+            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
@@ -83,8 +87,10 @@ class DDPEngine:
             b.work = comm.all_reduce(b.grad, async_op=True)
     # [/DDP]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
+            raise RuntimeError(Misuse.CHANGED)
+        return self.model(*args, **kwargs)
 
     # [DDP] run backward (communicating only if sync: no_sync before the last micro-step), then wait for every bucket
     def backward(self, loss, sync):
@@ -92,12 +98,17 @@ class DDPEngine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
+        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
+            raise RuntimeError(Misuse.NO_GRADIENT)
         if sync:
             for b in self.buckets:
                 b.work.wait()
     # [/DDP]
 
     def step(self, lr):
+        if not self.sync:
+            raise RuntimeError(Misuse.NO_BACKWARD)
+        self.sync = False  # this gradient is used up: the next step needs another backward
         norm = sum(sum_of_squares(b.grad) for b in self.buckets).sqrt()  # every rank holds the whole averaged gradient
         coef = clip_coef(norm, self.args.grad_clip)
         # AdamW bucket by bucket: one bucket's gradient in fp32 at a time, never a copy of the whole gradient
@@ -107,6 +118,12 @@ class DDPEngine:
             b.grad.zero_()
         return norm
 
+    def grad(self, p):
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
+        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        b = self.bucket_of[p]
+        return 0, b.grad[self.offset[p]:self.offset[p] + p.numel()]  # all of it, a view of its bucket
+
     def model_states(self):
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
                 "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
@@ -114,10 +131,15 @@ class DDPEngine:
     def state_pieces(self):
         """The training state this rank holds (all of it, here), as (name, [lo, hi) of its elements, its state's views)."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
-        for name, p in self.model.named_parameters():
-            at = self.bucket_of[p].start + self.offset[p]
-            pieces.append((name, 0, p.numel(), [t[at:at + p.numel()] for t in state]))
+        for name, p in trained(self.model):
+            lo, hi, at = self._piece(p)
+            if lo < hi:  # this rank holds some of p
+                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
+
+    def _piece(self, p):
+        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+        return 0, p.numel(), self.bucket_of[p].start + self.offset[p]  # all of p
 
     def resume(self, step):
         """A checkpoint has filled the master weights and moments: count its steps, and cast it into the model."""

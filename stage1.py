@@ -22,7 +22,7 @@ Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
 import torch
 import torch.distributed as dist
 
-from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
 
 class Bucket:
@@ -45,7 +45,7 @@ class ZeRO1Engine:
     def __init__(self, model, args, device):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = list(model.parameters())[::-1]  # backward meets the last layers first: their bucket fills first
+        params = [p for _, p in trained(model)][::-1]  # backward meets the last layers first: their bucket fills first
         # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
         self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
@@ -66,13 +66,15 @@ class ZeRO1Engine:
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
             b.grad = torch.zeros_like(b.param)
+        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = True
+        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -94,6 +96,8 @@ class ZeRO1Engine:
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        if b.waiting == 0:  # engine.backward did not arm this hook
+            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
@@ -102,8 +106,10 @@ class ZeRO1Engine:
             b.work = comm.reduce_scatter(self.grad_shard[self._shard(b)], b.grad, async_op=True)
             # [/ZeRO-1]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
+            raise RuntimeError(Misuse.CHANGED)
+        return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
         self.sync = sync  # no_sync: micro-steps before the last only accumulate
@@ -112,11 +118,16 @@ class ZeRO1Engine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
+        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
+            raise RuntimeError(Misuse.NO_GRADIENT)
         if sync:
             for b in self.buckets:
                 b.work.wait()
 
     def step(self, lr):
+        if not self.sync:
+            raise RuntimeError(Misuse.NO_BACKWARD)
+        self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
@@ -135,6 +146,12 @@ class ZeRO1Engine:
         self.grad_shard = None
         return norm
 
+    def grad(self, p):
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
+        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        lo, hi, at = self._piece(p)
+        return lo, self.grad_shard[at:at + hi - lo]
+
     def model_states(self):
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
                 "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
@@ -142,14 +159,18 @@ class ZeRO1Engine:
     def state_pieces(self):
         """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
-        for name, p in self.model.named_parameters():
-            b = self.bucket_of[p]
-            s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
-            lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
-            if lo < hi:  # p overlaps this rank's shard of its bucket
-                at = self._shard(b).start + lo - self.rank * s
-                pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
+        for name, p in trained(self.model):
+            lo, hi, at = self._piece(p)
+            if lo < hi:  # this rank holds some of p
+                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
+
+    def _piece(self, p):
+        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+        b = self.bucket_of[p]
+        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
+        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
         """A checkpoint has filled this rank's master shard and moments: count its steps, gather it into the model."""

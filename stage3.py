@@ -15,7 +15,8 @@ the whole model, which is what ZeRO-3 exists to avoid. Hooks on each unit gather
 its forward (and, through a hook on its output, just before its backward), and free them right after: the storage
 is resized to zero, so the memory is really gone though autograd still holds views of it. While a unit computes,
 the next unit's all-gather runs asynchronously (--no_prefetch turns this off, to measure what it buys). When a
-unit's last gradient arrives, its gradients are reduce-scattered as in stage 2, and its full parameters freed.
+unit's last gradient arrives, its gradients are reduce-scattered as in stage 2, and its full parameters freed. Other
+units than the ModuleLists' children can be passed: ZeRO3Engine(model, args, device, units=[...]).
 
 Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
     torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, clip_coef, comm, main, sum_of_squares
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
 
 class Bucket:
@@ -50,22 +51,23 @@ class ZeRO3Engine:
     def add_args(parser):
         parser.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
 
-    def __init__(self, model, args, device):
+    def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = list(model.parameters())
-        # [ZeRO-3] one bucket per unit (each ModuleList child, then the root): a unit's parameters not already taken
-        units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]
+        params = [p for _, p in trained(model)]
+        # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
+        units = [*(units or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]), model]
         self.buckets, self.bucket_of, self.offset, end = [], {}, {}, 0
-        for m in units:  # the root comes last and takes the parameters no block owns
-            self.buckets.append(Bucket(end, m))
+        for m in units:  # the root comes last and takes the parameters no other unit owns
+            b = Bucket(end, m)
             for p in m.parameters():
-                if p not in self.bucket_of:
-                    b = self.buckets[-1]
+                if p.requires_grad and p not in self.bucket_of:
                     self.bucket_of[p], self.offset[p] = b, b.end - b.start
                     b.params.append(p)
                     b.end += p.numel()
-            end = self._pad(self.buckets[-1])
+            if b.params:  # a unit with nothing to train is left alone: no bucket, no hooks
+                self.buckets.append(b)
+                end = self._pad(b)
         self.padded_numel = end
         # [/ZeRO-3]
 
@@ -77,6 +79,8 @@ class ZeRO3Engine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
         # [/ZeRO-1]
@@ -92,6 +96,7 @@ class ZeRO3Engine:
         # [/ZeRO-3]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -144,6 +149,8 @@ class ZeRO3Engine:
         """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
         bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
         b = self.bucket_of[p]
+        if b.waiting == 0:  # engine.backward did not arm this hook
+            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -171,17 +178,25 @@ class ZeRO3Engine:
         b.grad = b.reduced = b.work = None
     # [/ZeRO-2]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
+            raise RuntimeError(Misuse.CHANGED)
+        return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
+        self.sync = sync  # whether step may follow: the step's gradient is complete
         for b in self.buckets:  # every micro-step reduces: only the shard accumulates
             b.waiting = len(b.params)
         loss.backward()
+        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
+            raise RuntimeError(Misuse.NO_GRADIENT)
         while self.in_flight:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
+        if not self.sync:
+            raise RuntimeError(Misuse.NO_BACKWARD)
+        self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
@@ -196,6 +211,12 @@ class ZeRO3Engine:
         self.grad_shard.zero_()
         return norm
 
+    def grad(self, p):
+        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
+        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        lo, hi, at = self._piece(p)
+        return lo, self.grad_shard[at:at + hi - lo]
+
     def model_states(self):
         return {"params": [self.param_shard], "grads": [self.grad_shard], "master": [self.master],
                 "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
@@ -203,14 +224,18 @@ class ZeRO3Engine:
     def state_pieces(self):
         """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
-        for name, p in self.model.named_parameters():
-            b = self.bucket_of[p]
-            s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
-            lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
-            if lo < hi:  # p overlaps this rank's shard of its bucket
-                at = self._shard(b).start + lo - self.rank * s
-                pieces.append((name, lo - self.offset[p], hi - self.offset[p], [t[at:at + hi - lo] for t in state]))
+        for name, p in trained(self.model):
+            lo, hi, at = self._piece(p)
+            if lo < hi:  # this rank holds some of p
+                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
+
+    def _piece(self, p):
+        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+        b = self.bucket_of[p]
+        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
+        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
         """A checkpoint has filled this rank's master shard and moments: count its steps, cast it into its parameters."""

@@ -6,10 +6,11 @@ and the training loop every stage shares. Run alone, it is the single-device ref
     python train_gpt.py --preset tiny --steps 50          # seconds on a laptop
     python train_gpt.py --data input.txt --dtype fp32     # any UTF-8 text; fp32 for exact comparisons
 
-Every stage file (stage0_ddp.py ... offload.py) imports this file alone and brings only its Engine, which holds this
-rank's model states and moves them: forward, backward(loss, sync), step(lr) -> global gradient norm, model_states(),
-state_pieces() and resume(step) for checkpoints, and padded_numel (Ψ', the count its partitioning pads to). The
-device layer, the meters, the options and checkpoints (devices.py ... checkpoint.py) are for after the stages.
+Every stage file (stage0_ddp.py ... offload.py) imports this file alone and brings only its Engine, which takes any
+nn.Module, trains the parameters that require a gradient (examples/any_model.py), holds this rank's model states and
+moves them: forward(*args) -> the model's output, backward(loss, sync), step(lr) -> global gradient norm, grad(p) ->
+(lo, view) of p's averaged gradient this rank holds, model_states(), state_pieces() and resume(step) for checkpoints,
+and padded_numel (Ψ'). The device layer, meters, options and checkpoints (devices.py ...) are for after the stages.
 """
 import contextlib, json, math, os, re, sys, time
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import consolidate, gather_master, load_checkpoint, load_consolidated, \
-    plan_checkpoints, save_checkpoint
+from checkpoint import consolidate, gather_master, load_checkpoint, load_consolidated, plan_checkpoints, sample_text, \
+    save_checkpoint
 from options import check_args, gpt_config, parse_args
 from devices import Copies, from_rank0, init_distributed, load_cpu_adam, pick_device, pick_dtype, stop  # noqa: F401
 from instruments import PeakMemory, Timeline, comm, holdings, pinned_theory, progress, log, report, summarize, timeline
@@ -143,9 +144,6 @@ class CharData:
         y = torch.stack([data[i + 1:i + 1 + self.block_size] for i in ix]).long()
         return x.to(device), y.to(device)
 
-    def decode(self, ids):
-        return "".join(self.chars[i] for i in ids if i < len(self.chars))
-
 # ----------------------------------------------------------------------------------------------------------
 # The paper's memory and communication model: the formulas every stage measures itself against.
 
@@ -190,7 +188,22 @@ def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
             }[stage if stage != "offload" else "stage3"]
 
 # ----------------------------------------------------------------------------------------------------------
-# The reference engine: the recipe on one device, no distribution. Every stage must match it.
+# The reference engine: the recipe on one device, no distribution. Every stage must match it. Any engine takes any
+# nn.Module: it trains what trained() lists, and refuses the Misuse below with one line that names the fix.
+
+def trained(model):
+    """(name, parameter) for each parameter an engine trains (hooks, buckets, shards): those that require a gradient.
+    Frozen parameters and buffers are rank 0's (an engine broadcasts them once) and left alone."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+class Misuse:  # the messages, one line each
+    OUTSIDE_BACKWARD = ("a gradient arrived outside engine.backward (was loss.backward() called directly?): call "
+                        "engine.backward(loss, sync), which arms the engine's hooks and reduces gradients across ranks")
+    NO_GRADIENT = ("engine.backward: a trained parameter got no gradient: each parameter that requires grad must take "
+                   "part in the loss; freeze the others (requires_grad_(False)) before building the engine")
+    NO_BACKWARD = "engine.step: no engine.backward(loss, sync=True) since the last step: call it on each step's last micro-step"
+    CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
+               "replaced, requires_grad switched): build the engine after the model's last change")
 
 class AdamW:
     """AdamW on one fp32 tensor, as torch.optim.AdamW computes it. Per element, at step t:
@@ -220,11 +233,9 @@ class AdamW:
             del grad  # this bucket's fp32 gradient, before the generator makes the next one
 
 def sum_of_squares(t, block=1 << 20):
-    """Σ t² over all of t, as a float64 scalar on t's device, accurate at any size. torch.linalg.vector_norm of one
-    124M-element fp32 vector is off by 1.3-2.7% on CPU (it accumulates in long runs), while torch.sum reduces
-    pairwise: squares summed in fp32 per block of 1M elements, the blocks added in float64, stay within 1e-7. (The
-    norm decides the clipping: it must be right at GPT-2 sizes, not only on small models.) One block at a time: its
-    fp32 squares (and for bf16 its widened copy) are the only temporaries, never an fp32 copy of all of t."""
+    """Σ t² over all of t as a float64 scalar, accurate at any size (the norm decides the clipping): vector_norm of one
+    124M-element fp32 vector is 1.3-2.7% off on CPU, while torch.sum reduces pairwise, so squares summed in fp32 per
+    block of 1M elements, the blocks added in float64, stay within 1e-7. One block's fp32 copy at a time, never all t's."""
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     for part in t.reshape(-1).split(block):
         total += part.float().square().sum()
@@ -244,13 +255,13 @@ def clip_coef(norm, max_norm):
 class SingleDeviceEngine:
     def __init__(self, model, args, device):
         self.model, self.args = model, args
-        self.params = list(model.parameters())
+        self.params = [p for _, p in trained(model)]
         self.padded_numel = sum(p.numel() for p in self.params)
         self.master = [p.detach().float().clone() for p in self.params]  # fp32 master weights
         self.optimizers = [AdamW(m, args) for m in self.master]
 
-    def forward(self, x, y):
-        return self.model(x, y)
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
         loss.backward()  # gradients accumulate in p.grad across micro-steps
@@ -265,31 +276,24 @@ class SingleDeviceEngine:
             p.grad = None
         return norm
 
+    def grad(self, p):
+        return 0, p.grad.view(-1)  # all of p's gradient, from element 0
+
     def model_states(self):
         return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None], "master": self.master,
                 "adam_m": [o.exp_avg for o in self.optimizers], "adam_v": [o.exp_avg_sq for o in self.optimizers]}
 
     def state_pieces(self):
         return [(name, 0, p.numel(), [m.view(-1), o.exp_avg.view(-1), o.exp_avg_sq.view(-1)])
-                for (name, p), m, o in zip(self.model.named_parameters(), self.master, self.optimizers)]
+                for (name, p), m, o in zip(trained(self.model), self.master, self.optimizers)]
 
     def resume(self, step):
-        for o in self.optimizers:
+        for o, p, m in zip(self.optimizers, self.params, self.master):
             o.t = step
-        for p, m in zip(self.params, self.master):
             p.data.copy_(m)
 
 # ----------------------------------------------------------------------------------------------------------
-# Set-up: a sample of text, the learning rate, what the paper's model says a run holds and sends.
-
-def sample_text(saved, args, device=torch.device("cpu")):
-    """Text generated by the GPT with these fp32 weights (a consolidated file's dict), starting from a newline."""
-    model, chars = GPT(GPTConfig(**saved["config"])).to(device), saved["chars"]
-    model.load_state_dict({**saved["state_dict"], "lm_head.weight": saved["state_dict"]["wte.weight"]})  # the tied head
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    start = torch.full((1, 1), chars.index("\n") if "\n" in chars else 0, dtype=torch.long, device=device)
-    out = model.generate(start, args.sample_chars, generator=g)[0].tolist()
-    return "--- sample ---\n" + "".join(chars[i] for i in out if i < len(chars)) + "\n--------------"
+# Set-up: the learning rate, and what the paper's model says a run holds and sends.
 
 def lr_at(step, args):
     """Linear warmup, then cosine decay to min_lr at the last step."""
@@ -356,7 +360,7 @@ def main(Engine, stage, distributed=True, formula=None):
     if args.consolidate:
         return consolidate(*args.consolidate)
     if args.sample:
-        return print(sample_text(load_consolidated(args.sample), args, pick_device(args.device, 0)))
+        return print(sample_text(GPT, GPTConfig, load_consolidated(args.sample), args, pick_device(args.device, 0)))
     cfg = gpt_config(args, PRESETS, GPTConfig)
     rank, world_size, device = init_distributed(args) if distributed else (0, 1, pick_device(args.device, 0))
     try:
@@ -408,12 +412,11 @@ def main(Engine, stage, distributed=True, formula=None):
         history["grad_norms"].append(grad_norm)
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             history["val_losses"].append((step + 1, evaluate(engine, data, args, device)))
-        if rank == 0:
-            log(bar, stage, step, end, args, loss, args.batch_size * cfg.block_size / step_times[-1] if step_times else 0,
-                measured["peak"])
+        if rank == 0:  # a progress bar on a terminal, else a line now and then
+            log(bar, stage, step, end, args, loss, args.batch_size * cfg.block_size / (step_times or [math.inf])[-1], measured["peak"])
         if ckpt_dir and checkpoint_due(step, end, args):
             save_checkpoint(ckpt_dir, engine, step + 1, dict(stage=stage, config=vars(cfg), chars="".join(data.chars), **history,
-                            params={n: list(p.shape) for n, p in model.named_parameters()}), device)
+                            params={n: list(p.shape) for n, p in trained(model)}), device)
 
     summary = summarize(stage, args, cfg, data, engine, history, measured, step_times, th, start, end, world_size, device)
     if hasattr(bar, "close"):
@@ -436,7 +439,7 @@ def finish(summary, th, args, cfg, data, engine, end, ckpt_dir, device, distribu
             print(f"{stage}: stopped after step {end} of {args.steps} (--stop_after)"
                   + (f"; continue with --resume {ckpt_dir}" if ckpt_dir else ""))
         elif args.sample_chars:
-            print(sample_text(dict(config=vars(cfg), chars=data.chars, state_dict=master), args, device))
+            print(sample_text(GPT, GPTConfig, dict(config=vars(cfg), chars=data.chars, state_dict=master), args, device))
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

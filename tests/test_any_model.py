@@ -1,0 +1,145 @@
+"""A stage on a model that is not the GPT (examples/any_model.py: a frozen layer, a buffer, a forward that takes a
+mask): it matches the single-process reference at N = 1, 2, 4 to the GPT tests' tolerances, in fp32, and says so in
+its exit code; each misuse of an engine stops with one line that names the fix; stage 3 takes units of the caller's
+choosing. The misuse checks build engines in this process, as a world of one."""
+import inspect
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import test_stages
+from conftest import ROOT, last_lines
+from devices import free_port
+from options import parse_args as parse_options
+from train_gpt import PRESETS, GPTConfig, Misuse, SingleDeviceEngine
+
+
+def parse_args(Engine, argv):
+    return parse_options(Engine, PRESETS, GPTConfig, argv)
+
+sys.path.insert(0, str(ROOT / "examples"))
+import any_model  # noqa: E402
+
+EXAMPLE = str(ROOT / "examples" / "any_model.py")
+
+
+def run_example(runner, stage_file, nproc, env=None):
+    extra = ["--bucket_mb", "0.002"] if "--bucket_mb" in runner.options(stage_file) else []  # several buckets, padded
+    if runner.torchrun:
+        return runner.launch(EXAMPLE, nproc, "--stage", stage_file, *extra, env=env)
+    return runner.spawn(EXAMPLE, nproc, ["--stage", stage_file, *extra], env)
+
+
+def test_the_example_checks_to_the_gpt_tests_tolerances():
+    names = ("LOSS_ATOL", "NORM_RTOL", "BULK_RTOL", "BULK_SHARE", "ATOL_ANY")
+    assert [getattr(any_model, n) for n in names] == [getattr(test_stages, n) for n in names]
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_any_model_matches_the_reference(runner, stage_file, nproc):
+    p = run_example(runner, stage_file, nproc)
+    assert p.returncode == 0 and "the same as the single-process reference" in p.stdout, (
+        f"examples/any_model.py --stage {stage_file} at N={nproc} (exit code {p.returncode}):\n"
+        + "\n".join(last_lines(p.stdout + p.stderr, 15)))
+
+
+def test_offload_grad_waits_for_the_gradient_copies(runner):
+    """On the simulated stream a device-host copy lands only when a wait covers it (tests/test_offload.py): without
+    its wait, offload's grad() would read a gradient shard of zeros."""
+    p = run_example(runner, str(ROOT / "offload.py"), 2, env={"ZERO_SIMULATED_STREAM": "1"})
+    assert p.returncode == 0, "\n".join(last_lines(p.stdout + p.stderr, 15))
+
+
+def test_the_example_fails_on_a_mismatch(runner, tmp_path):
+    """Gradients summed over the ranks instead of averaged: the example exits non-zero and names the norm."""
+    source = (ROOT / "stage0_ddp.py").read_text()
+    old = "comm.all_reduce(b.grad, async_op=True)"
+    assert source.count(old) == 1, "stage0_ddp.py changed: update this test"
+    broken = tmp_path / "summed_stage0.py"
+    broken.write_text(source.replace(old, "comm.all_reduce(b.grad, op=dist.ReduceOp.SUM, async_op=True)"))
+    p = run_example(runner, str(broken), 2)
+    assert p.returncode != 0 and "error: summed_stage0 on rank 0 of 2: global gradient norm at step 0" in p.stderr, \
+        "\n".join(last_lines(p.stdout + p.stderr, 15))
+
+
+# ---- misuse, each refused with one line, in this process (a world of one)
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield torch.device("cpu")
+    dist.destroy_process_group()
+
+
+def build(stage_file, device, model=None, **kw):
+    Engine = any_model.load_engine(stage_file)
+    model = model or any_model.SetClassifier()
+    return Engine(model, parse_args(Engine, []), device, **kw), model
+
+
+def loss_of(engine, step=0):
+    x, mask, y = any_model.batch(step, 0, 1, 8, "cpu")
+    return F.cross_entropy(engine.forward(x, mask=mask), y)
+
+
+def refused(call, message):
+    with pytest.raises(RuntimeError) as e:
+        call()
+    assert str(e.value) == message and "\n" not in message, str(e.value)
+
+
+def test_backward_outside_the_engine_is_refused(world_of_one, stage_file):
+    engine, _ = build(stage_file, world_of_one)
+    refused(lambda: loss_of(engine).backward(), Misuse.OUTSIDE_BACKWARD)
+    assert "engine.backward(loss, sync)" in Misuse.OUTSIDE_BACKWARD
+
+
+def test_step_without_backward_is_refused(world_of_one, stage_file):
+    engine, _ = build(stage_file, world_of_one)
+    refused(lambda: engine.step(1e-3), Misuse.NO_BACKWARD)  # before any backward
+    engine.backward(loss_of(engine), sync=False)
+    refused(lambda: engine.step(1e-3), Misuse.NO_BACKWARD)  # after a micro-step that does not end the step
+    engine.backward(loss_of(engine), sync=True)
+    engine.step(1e-3)
+    refused(lambda: engine.step(1e-3), Misuse.NO_BACKWARD)  # twice on one gradient
+
+
+@pytest.mark.parametrize("change", ["replace the head", "freeze a block", "unfreeze the input layer"])
+def test_model_changed_after_the_engine_is_refused(world_of_one, stage_file, change):
+    engine, model = build(stage_file, world_of_one)
+    if change == "replace the head":
+        model.head = nn.Linear(any_model.WIDTH, any_model.CLASSES)
+    elif change == "freeze a block":
+        model.blocks[1].requires_grad_(False)
+    else:
+        model.embed.requires_grad_(True)
+    refused(lambda: loss_of(engine), Misuse.CHANGED)
+
+
+def test_parameter_without_gradient_is_refused(world_of_one, stage_file):
+    model = any_model.SetClassifier()
+    model.spare = nn.Linear(3, 3)  # trainable, but forward never uses it
+    engine, _ = build(stage_file, world_of_one, model)
+    refused(lambda: engine.backward(loss_of(engine), sync=True), Misuse.NO_GRADIENT)
+
+
+def test_units_of_the_callers_choosing(world_of_one, stage_file):
+    """Stage 3's units: the modules passed (a frozen one gets no bucket), then the root; and training matches."""
+    Engine = any_model.load_engine(stage_file)
+    if "units" not in inspect.signature(Engine).parameters:
+        pytest.skip(f"{Engine.__name__} takes no units (stage 3 and offload do)")
+    torch.manual_seed(0)
+    model = any_model.SetClassifier()
+    reference = any_model.SetClassifier()
+    reference.load_state_dict(model.state_dict())
+    args = parse_args(Engine, ["--steps", "3"])
+    engine = Engine(model, args, world_of_one, units=[model.embed, model.blocks[2], model.head])
+    assert [b.module for b in engine.buckets] == [model.blocks[2], model.head, model]
+    got = any_model.train(engine, model, args, 0, 1, world_of_one)
+    expected = any_model.train(SingleDeviceEngine(reference, args, world_of_one), reference, args, 0, 1, world_of_one)
+    assert got[0] == pytest.approx(expected[0], abs=test_stages.LOSS_ATOL), (got[0], expected[0])
+    assert got[1] == pytest.approx(expected[1], rel=test_stages.NORM_RTOL), (got[1], expected[1])
