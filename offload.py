@@ -1,27 +1,23 @@
 """
 offload.py: ZeRO-Offload (as ZeRO-3 Offload), stage 3 plus one idea: the optimizer lives on the CPU.
 
-The fp32 master weights, both Adam moments and the gradient shard move to CPU memory (with CUDA, the buffers that
-device-host copies touch are pinned), and a C++ AdamW (cpu_adam.cpp, OpenMP + SIMD) updates them there. Per rank
-(ZeRO-Offload paper; ZeRO-Infinity's ZeRO-3 Offload):
+The fp32 master weights, both Adam moments and the gradient shard move to CPU memory, where a C++ AdamW (cpu_adam.cpp,
+OpenMP + SIMD) updates them. Per rank (ZeRO-Offload paper; ZeRO-Infinity's ZeRO-3 Offload):
     device: bf16 parameter shard 2Ψ/N (none with --offload_params) + the working set of stage 3
     host:   bf16 gradient shard 2Ψ/N + fp32 master, Adam m, Adam v 12Ψ/N (+ the parameter shard 2Ψ/N with --offload_params)
-Between ranks it sends what stage 3 sends, 3Ψ·(N-1)/N per micro-step; over each rank's device-host link, its
-gradient shard goes down and its parameter shard comes back up: 2Ψ/N + 2Ψ/N bytes per step.
+Between ranks it sends what stage 3 sends, 3Ψ·(N-1)/N per micro-step; over each rank's device-host link its gradient
+shard goes down and its parameter shard comes up: 2Ψ/N + 2Ψ/N bytes per step.
 
-How: as stage 3, but each bucket's reduced shard is copied device-to-host on a copy stream beside the compute
-stream, overlapping the rest of backward (with --grad_accum it is summed on the device until the last micro-step).
-The step waits for those copies (an event), computes the global norm from the host shards, and runs the C++ AdamW
-over one bucket's shard at a time, writing the updated bf16 parameters into a pinned staging buffer in the same pass;
-each chunk's host-to-device copy overlaps the next chunk's update. --delayed_update runs step t's CPU update in a
-thread while the device computes step t+1 on the weights of update t-1 (the paper's DPU; a second gradient shard).
-Without CUDA the "device" is the CPU, streams and events do nothing: same algorithm, buffers and ledgers; and with
-ZERO_SIMULATED_STREAM=1 copies land only when a wait covers them, so a missing wait fails the tests on a CPU too.
+How: as stage 3, but each bucket's reduced shard is copied device-to-host on a copy stream (devices.Copies),
+overlapping the rest of backward (with --grad_accum, summed on the device until the last micro-step). The step waits
+for those copies (an event), computes the global norm on the host, and runs the C++ AdamW one bucket's shard at a
+time, writing the new bf16 parameters into a pinned staging buffer in the same pass; each chunk's copy up overlaps
+the next chunk's update. --delayed_update runs step t's update in a thread while the device computes step t+1 on the
+weights of update t-1 (the paper's DPU; a second gradient shard). Without CUDA, streams and events do nothing.
 
 Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
-    torchrun --standalone --nproc_per_node 1 offload.py --preset gpt2-large --offload_params    # one GPU, 774M
-    python offload.py --delayed_update
+    torchrun --standalone --nproc_per_node 1 offload.py --preset gpt2-large --offload_params --delayed_update  # 1 GPU
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from train_gpt import Copies, Misuse, clip_coef, comm, load_cpu_adam, main, sum_of_squares, trained
+
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -74,8 +71,7 @@ class OffloadEngine:
         self.padded_numel = end
         # [/ZeRO-3]
 
-        # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
-        # It is full only while in use: the rank keeps its shard of it.
+        # Model states. Each bucket's parameters become views of one flat buffer, full only in use (the rank keeps a shard).
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
@@ -103,8 +99,7 @@ class OffloadEngine:
         if args.offload_params:  # the parameter shard in CPU memory too: it travels to the device inside the gather
             self.param_shard = self.copies.host(self.param_shard.numel(), self.param_shard.dtype).copy_(self.param_shard)
         self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype) if args.delayed_update else None
-        self.update, self.grads_on_host = None, None
-        self.updater = ThreadPoolExecutor(1) if args.delayed_update else None  # the thread --delayed_update runs in
+        self.update, self.grads_on_host, self.updater = None, None, ThreadPoolExecutor(1) if args.delayed_update else None
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
@@ -161,8 +156,7 @@ class OffloadEngine:
     # [/ZeRO-3]
 
     def _grad_ready(self, p):
-        """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
-        bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
+        """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
         if b.waiting == 0:  # engine.backward did not arm this hook
             raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
@@ -187,8 +181,7 @@ class OffloadEngine:
 
     # [Offload] wait for the reduce-scatter; on the last micro-step copy the (summed) shard to the CPU on the copy stream
     def _release(self, b):
-        """A bucket is reduced: on the last micro-step, send this rank's shard of it to the CPU on the copy stream
-        (summed with the earlier micro-steps' on the device); then free the bucket's full gradient."""
+        """A bucket is reduced: on the last micro-step its shard (with earlier micro-steps') goes down to the CPU."""
         b.work.wait()
         if b.acc is not None:
             b.reduced += b.acc
@@ -231,16 +224,14 @@ class OffloadEngine:
             self.grad_shard.zero_()
             return norm
         self._finish_update()  # step t-1's update, computed while this step ran, goes to the device now
-        self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
-        # step t's update runs on the CPU while the device computes step t+1
+        self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard  # t's update runs during t+1:
         self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.adam_step, lr, coef)
         return norm
     # [/Offload]
 
     def _cpu_update(self, grad_shard, step, lr, coef, send=False):
-        """C++ AdamW over this rank's shard, one bucket's shard at a time, writing the updated low-precision parameters
-        into the staging buffer in the same pass; each chunk's copy to the device overlaps the next chunk's update.
-        (Staging's last copies have landed: the host waited for them, or for the gradients queued after them.)"""
+        """C++ AdamW over this rank's shard, a bucket's at a time, writing the new parameters into staging in the same
+        pass (whose last copies have landed: the host waited for them, or for gradients queued after them)."""
         a = self.args
         for b in self.buckets:
             sh = self._shard(b)
@@ -254,8 +245,7 @@ class OffloadEngine:
             grad_shard.zero_()
 
     def _send(self, sh):
-        """Updated parameters [sh] from the staging buffer into the parameter shard: up to the device on the copy stream,
-        or, with --offload_params, a copy in CPU memory once every copy that reads the old values has landed."""
+        """Staging's new parameters [sh] to the parameter shard: up the copy stream, or on the host (--offload_params)."""
         if self.args.offload_params:
             self.copies.host_waits(self.copies.event())
             self.param_shard[sh].copy_(self.staging[sh])
@@ -263,21 +253,18 @@ class OffloadEngine:
             self.copies.to_device(self.param_shard[sh], self.staging[sh])
 
     def _finish_update(self):
-        """Wait for the update running in the background, and send its parameters to the device. If it failed, stop
-        with its error, raised here: its half-written staging buffer is never sent."""
+        """Wait for the update in the background and send its parameters; if it failed, stop with its error here."""
         if self.update is not None:
             update, self.update = self.update, None
             try:
                 update.result()  # an exception raised in the update's thread is raised again here
-            except Exception as e:
-                raise SystemExit(f"error: the CPU update running in the background (--delayed_update) failed: "
-                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            except Exception as e:  # one line, and the half-written staging is never sent
+                raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".splitlines()[0]) from None
             self._send(slice(None))
             self.copies.host_waits(self.copies.event())  # for the next forward, and before the next update rewrites staging
 
     def grad(self, p):
-        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
-        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        """(lo, view): p's averaged gradient's elements [lo, lo + view.numel()) this rank holds, from backward to step."""
         self.copies.host_waits(self.copies.event())  # every copy queued so far has landed: the gradient shard's too
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]

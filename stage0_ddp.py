@@ -75,8 +75,7 @@ class DDPEngine:
 
     # [DDP] add p's gradient into its bucket; once the bucket is complete (and sync), start its async all-reduce (average)
     def _grad_ready(self, p):
-        """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
-        bucket, start the bucket's all-reduce now, so that it overlaps the rest of backward."""
+        """p's gradient is done: add it to its bucket; a complete bucket's all-reduce starts now, under backward."""
         b = self.bucket_of[p]
         if b.waiting == 0:  # engine.backward did not arm this hook
             raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
@@ -119,8 +118,7 @@ class DDPEngine:
         return norm
 
     def grad(self, p):
-        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
-        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        """(lo, view): p's averaged gradient's elements [lo, lo + view.numel()) this rank holds, from backward to step."""
         b = self.bucket_of[p]
         return 0, b.grad[self.offset[p]:self.offset[p] + p.numel()]  # all of it, a view of its bucket
 

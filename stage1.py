@@ -93,8 +93,7 @@ class ZeRO1Engine:
     # [/ZeRO-1]
 
     def _grad_ready(self, p):
-        """Autograd has finished p's gradient for this backward: add it to its bucket, and if that completes the
-        bucket, start the bucket's reduce-scatter now, so that it overlaps the rest of backward."""
+        """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
         if b.waiting == 0:  # engine.backward did not arm this hook
             raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
@@ -147,8 +146,7 @@ class ZeRO1Engine:
         return norm
 
     def grad(self, p):
-        """The part of p's gradient this rank holds, averaged over the ranks, from engine.backward(loss, sync=True)
-        until step: (lo, view), the view holding p's flattened elements [lo, lo + view.numel())."""
+        """(lo, view): p's averaged gradient's elements [lo, lo + view.numel()) this rank holds, from backward to step."""
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
