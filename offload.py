@@ -5,15 +5,14 @@ The fp32 master weights, both Adam moments and the gradient shard move to CPU me
 OpenMP + SIMD) updates them. Per rank (ZeRO-Offload paper; ZeRO-Infinity's ZeRO-3 Offload):
     device: bf16 parameter shard 2Ψ/N (none with --offload_params) + the working set of stage 3
     host:   bf16 gradient shard 2Ψ/N + fp32 master, Adam m, Adam v 12Ψ/N (+ the parameter shard 2Ψ/N with --offload_params)
-Between ranks it sends what stage 3 sends, 3Ψ·(N-1)/N per micro-step; over each rank's device-host link its gradient
-shard goes down and its parameter shard comes up: 2Ψ/N + 2Ψ/N bytes per step.
+Between ranks it sends what stage 3 sends; over its device-host link a rank moves 2Ψ/N down and 2Ψ/N up per step.
 
-How: as stage 3, but each bucket's reduced shard is copied device-to-host on a copy stream (devices.Copies),
-overlapping the rest of backward (with --grad_accum, summed on the device until the last micro-step). The step waits
-for those copies (an event), computes the global norm on the host, and runs the C++ AdamW one bucket's shard at a
-time, writing the new bf16 parameters into a pinned staging buffer in the same pass; each chunk's copy up overlaps
-the next chunk's update. --delayed_update runs step t's update in a thread while the device computes step t+1 on the
-weights of update t-1 (the paper's DPU; a second gradient shard). Without CUDA, streams and events do nothing.
+How: as stage 3, but each bucket's reduced shard is copied to the host on a copy stream (devices.Copies) under the
+rest of backward (with --grad_accum, summed on the device until the last micro-step). The step waits for those copies
+(an event), takes the global norm on the host and runs the C++ AdamW a bucket's shard at a time, writing the new bf16
+parameters into a pinned staging buffer in the same pass, each chunk's copy up overlapping the next chunk's update.
+--delayed_update runs step t's update in a thread while the device computes step t+1 on the weights of update t-1
+(the paper's DPU; a second gradient shard). Without CUDA, streams and events do nothing.
 
 Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
@@ -44,6 +43,7 @@ class Bucket:
 
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
+    from_meta = True  # [ZeRO-3] main() builds the model on the meta device, and __init__ makes it unit by unit
 
     @staticmethod
     def add_args(parser):
@@ -72,27 +72,33 @@ class OffloadEngine:
         # [/ZeRO-3]
 
         # Model states. Each bucket's parameters become views of one flat buffer, full only in use (the rank keeps a shard).
+        # [ZeRO-3] a unit at a time: made (from the meta device) or copied, broadcast, cut to this rank's shard, freed
+        self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)  # this rank's shard
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
+                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
+                    model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            self.param_shard[self._shard(b)] = self._own(b.param)
+            self._free(b)  # so the whole model never exists on any rank
+        # [/ZeRO-3]
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; the C++ AdamW
         self.copies, self.device = Copies(device), device
-        self.master = torch.cat([self._own(b.param) for b in self.buckets]).float().cpu()
+        self.master = self.param_shard.to("cpu", torch.float32, copy=True)
         self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
         self.adam, self.adam_step = load_cpu_adam(announce=self.rank == 0), 0
         self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # this rank's gradient shard
         self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # updated parameters, on their way up
         # [/Offload]
         self.in_flight, self.forward_order, self.backward_order = [], [], []
-        # [ZeRO-3] keep only this rank's shard of the parameters; free the full buckets; hook every unit's forward
-        self.param_shard = torch.cat([self._own(b.param) for b in self.buckets])  # this rank's parameter shard
+        # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
         for b in self.buckets:
-            self._free(b)
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
         # [/ZeRO-3]

@@ -16,7 +16,10 @@ its forward (and, through a hook on its output, just before its backward), and f
 is resized to zero, so the memory is really gone though autograd still holds views of it. While a unit computes,
 the next unit's all-gather runs asynchronously (--no_prefetch turns this off, to measure what it buys). When a
 unit's last gradient arrives, its gradients are reduce-scattered as in stage 2, and its full parameters freed. Other
-units than the ModuleLists' children can be passed: ZeRO3Engine(model, args, device, units=[...]).
+units than the ModuleLists' children can be passed: ZeRO3Engine(model, args, device, units=[...]). Nor is the model
+ever whole before training: main() builds it on the meta device (shapes, no storage: DeepSpeed's zero.Init, FSDP2's
+meta init do the same), and the engine makes it a unit at a time (the model's init_weight gives the reference's
+values), keeping only its shard.
 
 Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
     torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100
@@ -46,6 +49,7 @@ class Bucket:
 
 class ZeRO3Engine:
     """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
+    from_meta = True  # [ZeRO-3] main() builds the model on the meta device, and __init__ makes it unit by unit
 
     @staticmethod
     def add_args(parser):
@@ -72,24 +76,30 @@ class ZeRO3Engine:
         # [/ZeRO-3]
 
         # Model states. Each bucket's parameters become views of one flat buffer, full only in use (the rank keeps a shard).
+        # [ZeRO-3] a unit at a time: made (from the meta device) or copied, broadcast, cut to this rank's shard, freed
+        self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)  # this rank's shard
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
+                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
+                    model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            self.param_shard[self._shard(b)] = self._own(b.param)
+            self._free(b)  # so the whole model never exists on any rank
+        # [/ZeRO-3]
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
-        self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
+        self.master = self.param_shard.to(torch.float32, copy=True)  # fp32 master: this rank's shard (a copy in fp32 too)
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
         self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
         self.in_flight, self.forward_order, self.backward_order = [], [], []
-        # [ZeRO-3] keep only this rank's shard of the parameters; free the full buckets; hook every unit's forward
-        self.param_shard = torch.cat([self._own(b.param) for b in self.buckets])  # this rank's parameter shard
+        # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
         for b in self.buckets:
-            self._free(b)
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
         # [/ZeRO-3]

@@ -12,7 +12,7 @@ moves them: forward(*args) -> the model's output, backward(loss, sync), step(lr)
 (lo, view) of p's averaged gradient this rank holds, model_states(), state_pieces() and resume(step) for checkpoints,
 and padded_numel (Ψ'). The device layer, meters, options and checkpoints (devices.py ...) are for after the stages.
 """
-import contextlib, json, math, os, re, sys, time
+import contextlib, json, math, os, re, sys, time, zlib
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +84,22 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one tensor, counted once in Ψ
-        for name, p in self.named_parameters():  # GPT-2 init; residual projections scaled by depth
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
+        self.seed = torch.initial_seed()  # torch.manual_seed's, when the model is built: each parameter's init draws on it
+        for p in self.parameters():
+            if not p.is_meta:  # on the meta device (shapes only), ZeRO-3's engines call init_weight unit by unit
+                self.init_weight(p)
+
+    @torch.no_grad()
+    def init_weight(self, p):
+        """GPT-2's init of parameter p; residual projections scaled by depth. Each draws from a generator of its own,
+        seeded by (seed, p's name), in fp32 on the CPU: the same values on any device, in any order, one at a time,
+        so that ZeRO-3 can make the model a unit at a time (stage3.py) and still start from the reference's weights."""
+        name = next(n for n, q in self.named_parameters() if q is p)
+        if p.dim() < 2:
+            return p.fill_(1.0)  # a LayerNorm's weight
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("c_proj.weight", "mlp.2.weight")) else 0.02
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
 
     def forward(self, idx, targets=None):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -350,6 +362,14 @@ def evaluate(engine, data, args, device):
         dist.all_reduce(total, op=dist.ReduceOp.AVG)
     return total.item() / args.eval_batches
 
+def build_model(Engine, cfg, device, dtype):
+    """The GPT on the device; for ZeRO-3's engines (Engine.from_meta) on the meta device, shapes without storage: the
+    engine makes it a unit at a time, and no rank ever holds the whole model."""
+    if getattr(Engine, "from_meta", False):
+        with torch.device("meta"):
+            return GPT(cfg).to(dtype=dtype)
+    return GPT(cfg).to(device=device, dtype=dtype)
+
 def checkpoint_due(step, end, args):
     """Save after this step? Every --save_every steps, and at the end of the run."""
     return step + 1 == end or bool(args.save_every) and (step + 1) % args.save_every == 0
@@ -376,7 +396,7 @@ def main(Engine, stage, distributed=True, formula=None):
     where, manifest, start, end, ckpt_dir = plan_checkpoints(args, cfg, data.chars, rank, world_size)
 
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
-    model = GPT(cfg).to(device=device, dtype=dtype)
+    model = build_model(Engine, cfg, device, dtype)
     engine = Engine(model, args, device)
     trace = Timeline.start(args.timeline, engine, model, device, rank, stage, step=end - 1)  # (the last step)
     th = theory(formula or stage, engine.padded_numel, world_size, dtype, args, device)

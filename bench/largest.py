@@ -1,0 +1,388 @@
+"""
+bench/largest.py: the ZeRO papers' headline, measured: the largest GPT each stage trains within a fixed memory per rank.
+
+    python bench/largest.py                    # every stage at N = 1, 2, 4 within 64 MiB per rank: minutes on 2 cores
+    python bench/largest.py --quick            # 24 MiB, GPTs 128 wide: under 3 minutes here (tests/test_largest.py)
+    python bench/largest.py --budget_mb 8192 --n_embd 1024 --block_size 1024     # on GPUs
+    python bench/largest.py --from_json runs/largest/largest.json                # redraw the table and picture only
+
+"Fits" is measured, never computed. For a stage and N, N ranks build a GPT of a fixed width (--n_embd) and a given
+depth exactly as the stage's main() builds it (train_gpt.build_model: stage 3 and offload from the meta device, a
+unit at a time) and train two steps of --micro_batch sequences per rank; the depth fits if on every rank the memory
+held at its peak, over the construction and both steps, stays within --budget_mb. On a GPU the budget is the
+allocator's own limit (torch.cuda.set_per_process_memory_fraction) and running out of memory means "does not fit". On
+a CPU, it is the peak of live tensor bytes (instruments.PeakMemory) above what the rank held before the model was
+built, less offload's host-resident states (train_gpt.host_categories and the staging buffer): the device budget does
+not charge them, as on a GPU it would not.
+
+"predicted" is the estimator: the paper's formula for the model states a rank keeps on the device
+(train_gpt.model_state_theory) plus the activations measured (what autograd saves for backward in one forward of the
+rank's micro-batch, linear in depth). It leaves out what the measurement charges besides: gradient buckets in flight
+and their fp32 copies at the step (stages 0-2: up to two --bucket_mb buckets), stage 3's working set (the units
+gathered at once), allocator-level transients. The search starts at the prediction and walks to the boundary (steps
+doubling, then bisection), so a good prediction costs few probes. Near the boundary a probe's peak can differ by a few
+hundred KiB between runs (when the collectives' asynchronous buffers are freed), so a result can move by a layer.
+
+Output: a table, largest.png (the papers' max-model-size figure in miniature) and largest.json in --out_dir; --out
+FILE.json writes the rows as well: one per stage and N, with "stage", "world_size", "largest_params",
+"predicted_params".
+"""
+import argparse, gc, json, math, os, sys, tempfile, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SCRIPTS = {"stage0": "stage0_ddp.py", "stage1": "stage1.py", "stage2": "stage2.py", "stage3": "stage3.py",
+           "offload": "offload.py"}
+MiB = 2**20
+MAX_LAYERS = 4096
+
+
+def load_engine(stage):
+    """The Engine class of a stage file: the one class in it whose name ends in Engine."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(stage, ROOT / SCRIPTS[stage])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return next(v for k, v in vars(module).items()
+                if k.endswith("Engine") and isinstance(v, type) and v.__module__ == module.__name__)
+
+
+def n_params(cfg):
+    """Ψ of the GPT with this config (the tied head counted once), from the meta device: no memory."""
+    import torch
+    from train_gpt import GPT
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def device_states(stage, psi, world_size, param_bytes):
+    """The formula's model-state bytes a rank keeps on the device (offload's host categories are not charged)."""
+    from train_gpt import host_categories, model_state_theory
+    padded = psi if stage == "stage0" else -(-psi // world_size) * world_size
+    states = model_state_theory(stage, padded, world_size, param_bytes)
+    return sum(v for k, v in states.items() if k not in host_categories(stage))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On each rank
+
+class Prober:
+    """Builds and trains GPTs of growing depth on this rank, as every rank does in step: all ranks probe the same depth
+    and agree on whether it fit (the smallest verdict wins)."""
+
+    def __init__(self, opts, rank, world_size, device):
+        import torch
+        from devices import from_rank0, pick_dtype
+        from train_gpt import CharData, load_text
+        self.opts, self.rank, self.world_size, self.device = opts, rank, world_size, device
+        self.dtype, why = from_rank0(pick_dtype(opts.dtype, device) if rank == 0 else None)
+        self.dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
+        self.data = CharData(load_text(None), opts.block_size)
+        self.budget = opts.budget_mb * MiB
+        if rank == 0:
+            print(f"N={world_size}: {self.dtype_name} ({why})", flush=True)
+        if device.type == "cuda":  # the budget is the allocator's limit: beyond it, torch raises OutOfMemoryError
+            torch.cuda.set_per_process_memory_fraction(self.budget / torch.cuda.get_device_properties(device).total_memory, device)
+
+    def params(self, depth):
+        """Ψ at `depth` layers: linear in depth (every block alike), so two GPTs on the meta device give them all."""
+        if not hasattr(self, "psi"):
+            self.psi = [n_params(self.config(d)) for d in (1, 2)]
+        return self.psi[0] + (depth - 1) * (self.psi[1] - self.psi[0]) if depth else 0
+
+    def activations(self, depth):
+        """Bytes autograd keeps for backward in one forward on this rank's micro-batch (parameters aside), at `depth`
+        layers: linear in depth (every block saves alike), so measured once, at depths 1 and 2, on a plain GPT."""
+        if not hasattr(self, "act"):
+            import torch
+            from instruments import storage_bytes
+            from train_gpt import GPT
+            self.act = []
+            x, y = self.data.batch("train", 0, self.opts.micro_batch, 0, 1, self.device)
+            for d in (1, 2):
+                model, saved = GPT(self.config(d)).to(self.device, self.dtype), []
+                weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+                keep = lambda t: saved.append(t) if t.untyped_storage().data_ptr() not in weights else None  # noqa: E731
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+                    loss = model(x, y)
+                self.act.append(storage_bytes(saved))
+                del model, saved, loss
+        return self.act[0] + (depth - 1) * (self.act[1] - self.act[0])
+
+    def config(self, depth):
+        from train_gpt import GPTConfig
+        o = self.opts
+        return GPTConfig(block_size=o.block_size, vocab_size=len(self.data.chars), n_layer=depth, n_head=o.n_head, n_embd=o.n_embd)
+
+    def probe(self, Engine, stage, depth):
+        """(fits, charged peak in bytes, the most of any rank's): build the GPT of `depth` layers and train 2 steps."""
+        import torch
+        import torch.distributed as dist
+        from instruments import PeakMemory, storage_bytes
+        from options import parse_args
+        from train_gpt import GPTConfig, PRESETS, build_model, host_categories, train_step
+        args = parse_args(Engine, PRESETS, GPTConfig, ["--dtype", self.dtype_name, "--steps", "2", "--warmup", "1",
+                                                       "--batch_size", str(self.opts.micro_batch * self.world_size)])
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        model = engine = None
+        out_of_memory, host = False, 0
+        try:
+            with PeakMemory(self.device) as meter:
+                torch.manual_seed(args.seed + self.rank)
+                model = build_model(Engine, self.config(depth), self.device, self.dtype)
+                engine = Engine(model, args, self.device)
+                for step in range(2):
+                    train_step(engine, self.data, args, step, self.device)
+                if self.device.type == "cpu":  # offload's host-resident states: host memory, not the device's
+                    states = engine.model_states()
+                    host = storage_bytes([t for k in host_categories(stage) for t in states[k]]
+                                         + [getattr(engine, "staging", None)] * (stage == "offload"))
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        if hasattr(engine, "updater") and engine.updater is not None:
+            engine.updater.shutdown()
+        del model, engine
+        charged = meter.peak if self.device.type == "cuda" else meter.peak - meter.base - host
+        # every rank must take the same decisions (the next depth to probe), or their collectives would not match: the
+        # verdict and the bytes are the worst rank's
+        worst = torch.tensor([charged, int(out_of_memory)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        charged, out_of_memory = int(worst[0]), bool(worst[1])
+        return not out_of_memory and charged <= self.budget, charged
+
+    def search(self, stage):
+        """The largest depth that fits, and the estimator's: a row of the table."""
+        Engine = load_engine(stage)
+        param_bytes = torch_bytes(self.dtype)
+        seen = {}
+
+        def fits(depth):
+            if depth not in seen:
+                t0 = time.perf_counter()
+                seen[depth] = self.probe(Engine, stage, depth)
+                if self.rank == 0:
+                    ok, charged = seen[depth]
+                    print(f"  {stage} N={self.world_size}: {depth:4d} layers ({self.params(depth) / 1e6:7.2f}M) "
+                          f"{charged / MiB:7.1f} MiB {'fits' if ok else 'does not fit'} ({time.perf_counter() - t0:.1f} s)",
+                          flush=True)
+            return seen[depth][0]
+
+        # the estimator: the formula's model states on the device + the activations measured, for each depth
+        predicted = 0
+        while predicted < MAX_LAYERS and device_states(stage, self.params(predicted + 1), self.world_size, param_bytes) \
+                + self.activations(predicted + 1) <= self.budget:
+            predicted += 1
+        # the measurement: from the prediction, out in doubling steps to a depth on each side, then bisect
+        lo, hi = 0, None  # the largest depth known to fit; the smallest known not to
+        for d, (ok, _) in seen.items():
+            lo, hi = (max(lo, d), hi) if ok else (lo, d if hi is None else min(hi, d))
+        start, step = max(predicted, 1), 1
+        if hi is None or start < hi:
+            if fits(start):
+                lo = max(lo, start)
+                while hi is None:
+                    d = min(lo + step, MAX_LAYERS)
+                    if d <= lo:
+                        break
+                    lo, hi = (d, hi) if fits(d) else (lo, d)
+                    step *= 2
+            else:
+                hi = start
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        peak = seen[lo][1] if lo else None
+        return dict(stage=stage, world_size=self.world_size, largest_params=self.params(lo) if lo else 0,
+                    predicted_params=self.params(predicted) if predicted else 0, largest_layers=lo,
+                    predicted_layers=predicted, peak_mib=peak and round(peak / MiB, 2),
+                    states_mib=round(device_states(stage, self.params(lo), self.world_size, param_bytes) / MiB, 2)
+                    if lo else None, probes=len(seen))
+
+
+def torch_bytes(dtype):
+    import torch
+    return torch.finfo(dtype).bits // 8
+
+
+def worker(local_rank, world_size, port, opts, out):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    from devices import init_distributed
+    if opts.device != "cuda":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    rank, world_size, device = init_distributed(argparse.Namespace(device=opts.device))
+    prober = Prober(opts, rank, world_size, device)
+    rows = []
+    for stage in opts.stages:
+        rows.append(prober.search(stage))
+        rows[-1].update(dtype=prober.dtype_name, device=device.type)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world_size, opts):
+    """Start N ranks (one per GPU with CUDA), each searching every stage; return rank 0's rows."""
+    import torch.multiprocessing as mp
+    from devices import free_port
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.start_processes(worker, args=(world_size, free_port(), opts, out), nprocs=world_size, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report
+
+def cpu_name():
+    """The CPU's model name, family and model (what tells an AVX2-only AMD from a Zen 5), as /proc/cpuinfo gives them."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        return f"{info['model name']} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
+    except (OSError, KeyError):
+        return platform.processor() or platform.machine()
+
+
+def render_table(result):
+    rows, o = result["rows"], result["options"]
+    base = {r["world_size"]: r["largest_params"] for r in rows if r["stage"] == "stage0"}
+    lines = [f"largest GPT that trains within {o['budget_mb']} MiB per rank ({result['dtype']}, {o['n_embd']} wide, "
+             f"{o['micro_batch']} x {o['block_size']} tokens per rank; {result['machine']})", "",
+             "| stage | N | largest: layers | Ψ | peak MiB | model states (formula) MiB | × stage 0 at N "
+             "| predicted: layers | Ψ |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['largest_params'] / base[r['world_size']]:.2f}" if base.get(r["world_size"]) else "—"
+        lines.append(f"| {r['stage']} | {r['world_size']} | {r['largest_layers']} | {r['largest_params'] / 1e6:.2f}M | "
+                     f"{r['peak_mib'] if r['peak_mib'] is not None else '—'} | "
+                     f"{r['states_mib'] if r['states_mib'] is not None else '—'} | {ratio} | {r['predicted_layers']} | "
+                     f"{r['predicted_params'] / 1e6:.2f}M |")
+    return "\n".join(lines)
+
+
+def headline(rows):
+    """The ratios the papers lead with, measured."""
+    get = {(r["stage"], r["world_size"]): r["largest_params"] for r in rows}
+    out = []
+    if get.get(("stage3", 4)) and get.get(("stage0", 4)):
+        out.append(f"stage 3 at N=4 trains {get['stage3', 4] / get['stage0', 4]:.2f}x the parameters of stage 0 at N=4 "
+                   "(the model states alone: 16Ψ against 16Ψ/N, 4x)")
+    if get.get(("offload", 1)) and get.get(("stage0", 1)):
+        out.append(f"offload at N=1 trains {get['offload', 1] / get['stage0', 1]:.2f}x the parameters of stage 0 at N=1 "
+                   "(the model states on the device alone: 16Ψ against 2Ψ, 8x)")
+    return out
+
+
+def draw(result, path):
+    """Grouped bars: the largest Ψ per stage at each N, the estimator's prediction as a marker. False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+    except ImportError:
+        return False
+    rows, o = result["rows"], result["options"]
+    stages = [s for s in SCRIPTS if any(r["stage"] == s for r in rows)]
+    ns = sorted({r["world_size"] for r in rows})
+    colors = dict(zip(SCRIPTS, ["#8C8C8C", "#4C72B0", "#DD8452", "#55A868", "#C44E52"]))
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    width = 0.8 / len(stages)
+    for si, stage in enumerate(stages):
+        for gi, n in enumerate(ns):
+            r = next((r for r in rows if r["stage"] == stage and r["world_size"] == n), None)
+            if r is None:
+                continue
+            x = gi + (si - (len(stages) - 1) / 2) * width
+            ax.bar(x, r["largest_params"] / 1e6, width * 0.92, color=colors[stage])
+            top = max(r["largest_params"], r["predicted_params"]) / 1e6  # the label above the bar and its marker
+            ax.text(x, top, f"{r['largest_params'] / 1e6:.1f}", ha="center", va="bottom", fontsize=7)
+            ax.plot([x], [r["predicted_params"] / 1e6], marker="_", markersize=14, mew=2, color="black")
+    ax.set_xticks(range(len(ns)))
+    ax.set_xticklabels([f"N = {n}" for n in ns])
+    ax.set_ylabel("largest model that trains, parameters (M)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.set_title(f"Largest GPT within {o['budget_mb']} MiB per rank, measured ({result['dtype']}, {o['n_embd']} wide, "
+                 f"{o['micro_batch']} x {o['block_size']} tokens per rank)\n{result['machine']}", fontsize=10)
+    handles = [Patch(color=colors[s], label=s.replace("stage", "stage ")) for s in stages]
+    handles.append(Line2D([], [], color="black", marker="_", linestyle="", markersize=14, mew=2,
+                          label="predicted: formula + measured activations"))
+    ax.legend(handles=handles, loc="upper left", fontsize=8.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def render(result, out_dir, out=None):
+    table = render_table(result)
+    print("\n" + table + "\n")
+    for line in headline(result["rows"]):
+        print(line)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "largest.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / "table.md").write_text(table + "\n")
+    if out:
+        Path(out).write_text(json.dumps(result["rows"], indent=1) + "\n")
+    drew = draw(result, out_dir / "largest.png")
+    print(f"\nwrote {out_dir / 'largest.json'}, {out_dir / 'table.md'}" + (f" and {out_dir / 'largest.png'}" if drew else
+          "; `pip install matplotlib` draws the picture") + (f"; rows in {out}" if out else ""))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.strip().split("\n")[2:]))
+    p.add_argument("--budget_mb", type=float, default=None, help="memory per rank (default 64; 24 with --quick)")
+    p.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--stages", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
+    p.add_argument("--n_embd", type=int, default=None, help="the width, fixed (default 256; 128 with --quick)")
+    p.add_argument("--n_head", type=int, default=4)
+    p.add_argument("--block_size", type=int, default=64)
+    p.add_argument("--micro_batch", type=int, default=1, help="sequences per rank per step")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: train_gpt's choice")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quick", action="store_true", help="a small budget and width: under 3 minutes on 2 cores")
+    p.add_argument("--out_dir", default=str(ROOT / "runs" / "largest"))
+    p.add_argument("--out", default=None, metavar="FILE.json", help="also write the rows here")
+    p.add_argument("--from_json", default=None, help="redraw from a largest.json written before; run nothing")
+    o = p.parse_args(argv)
+    if o.from_json:
+        return render(json.loads(Path(o.from_json).read_text()), o.out_dir, o.out)
+    o.budget_mb = o.budget_mb or (24 if o.quick else 64)
+    o.n_embd = o.n_embd or (128 if o.quick else 256)
+    if o.budget_mb <= 0 or min(o.world_sizes) < 1 or o.n_embd % o.n_head:
+        p.error("--budget_mb must be > 0, --world_sizes >= 1, and --n_embd a multiple of --n_head")
+    import torch
+    if o.device == "auto":
+        o.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if o.device == "cuda" and max(o.world_sizes) > torch.cuda.device_count():
+        p.error(f"N = {max(o.world_sizes)} needs as many GPUs; this machine has {torch.cuda.device_count()}: lower --world_sizes")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    machine = torch.cuda.get_device_name() if o.device == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores"
+    print(f"largest: {o.budget_mb} MiB per rank; stages {' '.join(o.stages)} at N = {' '.join(map(str, o.world_sizes))}; "
+          f"{machine}", flush=True)
+    t0, rows = time.perf_counter(), []
+    for n in sorted(set(o.world_sizes)):
+        rows += run_world(n, o)
+    rows.sort(key=lambda r: (list(SCRIPTS).index(r["stage"]), r["world_size"]))
+    result = dict(rows=rows, options={k: getattr(o, k) for k in ("budget_mb", "n_embd", "n_head", "block_size", "micro_batch")},
+                  dtype=rows[0]["dtype"], machine=machine, seconds=round(time.perf_counter() - t0, 1))
+    print(f"largest: {result['seconds']} s")
+    render(result, o.out_dir, o.out)
+
+
+if __name__ == "__main__":
+    main()

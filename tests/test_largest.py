@@ -1,0 +1,96 @@
+"""ZeRO-3 never builds the whole model: stage 3 and offload take it from the meta device a unit at a time, so no rank
+holds more than its shards plus one unit (and the parameter being made) while the engine is built, and the weights
+are still the reference's (test_stages.py's parity). And bench/largest.py --quick: the largest GPT each stage trains
+within a memory budget, stage 3 at N=4 at least 2.5x stage 0's."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import largest  # noqa: E402
+
+SLACK = 16 * 1024  # small tensors an engine keeps besides its shards (Adam's step counter, ...)
+
+
+def construct(local_rank, world_size, port, stage, from_meta, out_dir):
+    """On each rank: build the GPT as main() does and the stage's engine, measuring the peak of live tensor bytes."""
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    from instruments import PeakMemory, live_tensor_bytes, storage_bytes
+    from options import parse_args
+    from train_gpt import PRESETS, GPTConfig, build_model
+    dist.init_process_group("gloo")
+    Engine, cpu = largest.load_engine(stage), torch.device("cpu")
+    Engine.from_meta = from_meta  # False: the control, the whole model built first
+    args = parse_args(Engine, PRESETS, GPTConfig, ["--dtype", "fp32"])
+    torch.manual_seed(args.seed + local_rank)
+    held, broadcast = [], dist.broadcast
+    def watched_broadcast(t, *a, **kw):  # what the rank holds as each unit goes out (the engine broadcasts a unit at a time)
+        held.append(live_tensor_bytes(cpu))
+        return broadcast(t, *a, **kw)
+    dist.broadcast = watched_broadcast
+    with PeakMemory(cpu) as meter:
+        model = build_model(Engine, GPTConfig(block_size=32, vocab_size=64, n_layer=12, n_head=2, n_embd=64), cpu, torch.float32)
+        engine = Engine(model, args, cpu)
+    kept = [t for ts in engine.model_states().values() for t in ts] + [getattr(engine, "staging", torch.empty(0))]
+    dist.broadcast = broadcast
+    result = dict(peak=meter.peak - meter.base, shards=storage_bytes(kept), at_broadcast=max(held) - meter.base,
+                  param_shard=storage_bytes([engine.param_shard]),
+                  unit=max(b.end - b.start for b in engine.buckets) * 4, made=max(p.numel() for p in model.parameters()) * 4 * 2,
+                  whole=sum(p.numel() for p in model.parameters()) * 4)
+    with open(os.path.join(out_dir, f"rank{local_rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def construction(stage, from_meta, tmp_path, world_size=4):
+    from devices import free_port
+    mp.start_processes(construct, args=(world_size, free_port(), stage, from_meta, str(tmp_path)), nprocs=world_size,
+                       start_method="spawn")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("stage", ["stage3", "offload"])
+def test_zero3_construction_never_holds_the_whole_model(stage, tmp_path):
+    for rank, r in enumerate(construction(stage, True, tmp_path)):
+        at = f"{stage} rank {rank} (the whole model is {r['whole']:,} bytes)"
+        assert r["at_broadcast"] <= r["param_shard"] + r["unit"] + SLACK, (
+            f"{at}: as a unit went out the rank held {r['at_broadcast']:,} bytes, more than its parameter shard "
+            f"{r['param_shard']:,} + one unit {r['unit']:,}")
+        assert r["peak"] <= r["shards"] + r["unit"] + r["made"] + SLACK, (
+            f"{at}: building the engine held {r['peak']:,} bytes at its peak, more than its shards {r['shards']:,} + "
+            f"one unit {r['unit']:,} + one parameter being made {r['made']:,} (its storage and its fp32 draw)")
+        assert r["unit"] + SLACK < r["whole"], "the model is too small for this test to tell a unit from the whole"
+
+
+def test_the_construction_check_catches_a_whole_model(tmp_path):
+    """The control: stage 3 given the whole model first (as stages 0-2 are) breaks the first bound above."""
+    for r in construction("stage3", False, tmp_path):
+        assert r["at_broadcast"] >= r["param_shard"] + r["whole"] - r["unit"] > r["param_shard"] + r["unit"] + SLACK
+
+
+def test_largest_quick(tmp_path):
+    """The headline, measured in under 3 minutes: every stage at N = 1, 2, 4; stage 3 at N=4 trains at least 2.5x the
+    parameters stage 0 does at N=4 within the same budget; offload at N=1 more than stage 0 at N=1."""
+    out = tmp_path / "rows.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "largest.py"), "--quick", "--out", str(out),
+                        "--out_dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {(r["stage"], r["world_size"]): r for r in json.loads(out.read_text())}
+    assert set(rows) == {(s, n) for s in largest.SCRIPTS for n in (1, 2, 4)}
+    for r in rows.values():
+        assert set(r) >= {"stage", "world_size", "largest_params", "predicted_params"}
+        assert r["largest_params"] > 0 and r["peak_mib"] <= 24, r
+    assert rows["stage3", 4]["largest_params"] >= 2.5 * rows["stage0", 4]["largest_params"], p.stdout[-3000:]
+    assert rows["offload", 1]["largest_params"] > rows["stage0", 1]["largest_params"], p.stdout[-3000:]
+    assert rows["stage3", 4]["largest_params"] > rows["stage3", 1]["largest_params"]  # sharding pays at larger N
+    assert (tmp_path / "largest.png").exists() and (tmp_path / "table.md").exists()
