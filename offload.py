@@ -43,7 +43,7 @@ class Bucket:
 
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
-    from_meta = True  # [ZeRO-3] main() builds the model on the meta device, and __init__ makes it unit by unit
+    from_meta = True  # ZeRO-3: main() builds the model on the meta device, and __init__ makes it unit by unit
 
     @staticmethod
     def add_args(parser):

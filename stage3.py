@@ -49,7 +49,7 @@ class Bucket:
 
 class ZeRO3Engine:
     """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
-    from_meta = True  # [ZeRO-3] main() builds the model on the meta device, and __init__ makes it unit by unit
+    from_meta = True  # ZeRO-3: main() builds the model on the meta device, and __init__ makes it unit by unit
 
     @staticmethod
     def add_args(parser):
