@@ -106,7 +106,6 @@ def agree(error):
 # ZeRO-Offload's device layer: the C++ AdamW's build, and the copies between device and host memory.
 
 _cpu_adam = {}  # code path -> the built module, once load_cpu_adam() has built it
-_announced = set()  # code paths load_cpu_adam(announce=True) has printed its line for
 
 # The compiler flags of each code path of cpu_adam.cpp: exactly the instructions torch's own CPU check promises for its
 # capability of that name (ATen reports AVX2 only with FMA, AVX512 only with AVX-512 VL, BW, DQ and FMA). Never
@@ -134,8 +133,7 @@ def adam_threads():
 def load_cpu_adam(isa=None, announce=False):
     """Build cpu_adam.cpp for one code path (default: CPU_ADAM_ISA if set, else the best this CPU runs) and return the
     module; once per path and process, and torch caches the build in TORCH_EXTENSIONS_DIR under the module's name,
-    cpu_adam_<path>. The kernel gets this rank's share of the cores. announce: print one line saying what was used
-    (the first time)."""
+    cpu_adam_<path>. The kernel gets this rank's share of the cores. announce: print one line saying what was used."""
     runnable = cpu_adam_isas()
     isa = isa or os.environ.get("CPU_ADAM_ISA") or runnable[0]
     if isa not in runnable:
@@ -163,8 +161,7 @@ def load_cpu_adam(isa=None, announce=False):
             raise RuntimeError(f"cpu_adam: built for {isa} with {ISA_FLAGS[isa]} but compiled the {mod.isa()} path")
         mod.set_threads(adam_threads()[0])
         _cpu_adam[isa] = mod
-    if announce and isa not in _announced:  # once per process (bench/largest.py builds many engines)
-        _announced.add(isa)
+    if announce:
         threads, (_, cores, local) = _cpu_adam[isa].threads(), adam_threads()
         print(f"cpu_adam: {isa} build, {threads} thread{'s' * (threads > 1)} per rank ({cores} core{'s' * (cores > 1)}"
               f" / {local} local rank{'s' * (local > 1)})", flush=True)

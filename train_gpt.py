@@ -206,6 +206,9 @@ def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
 def trained(model):
     """(name, parameter) for each parameter an engine trains (hooks, buckets, shards): those that require a gradient.
     Frozen parameters and buffers are rank 0's (an engine broadcasts them once) and left alone."""
+    if any(t.is_meta for t in [p for p in model.parameters() if not p.requires_grad or not hasattr(model, "init_weight")]
+           + list(model.buffers())):
+        raise RuntimeError(Misuse.META)
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 class Misuse:  # the messages, one line each
@@ -214,6 +217,8 @@ class Misuse:  # the messages, one line each
     NO_GRADIENT = ("engine.backward: a trained parameter got no gradient: each parameter that requires grad must take "
                    "part in the loss; freeze the others (requires_grad_(False)) before building the engine")
     NO_BACKWARD = "engine.step: no engine.backward(loss, sync=True) since the last step: call it on each step's last micro-step"
+    META = ("a tensor on the meta device that no engine can make: ZeRO-3's (stage3.py, offload.py) make trained "
+            "parameters with the model's init_weight(p) (see GPT.init_weight); build the rest, or the model, on a device")
     CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
                "replaced, requires_grad switched): build the engine after the model's last change")
 

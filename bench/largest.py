@@ -27,7 +27,7 @@ Output: a table, largest.png (the papers' max-model-size figure in miniature) an
 FILE.json writes the rows as well: one per stage and N, with "stage", "world_size", "largest_params",
 "predicted_params".
 """
-import argparse, gc, json, math, os, sys, tempfile, time
+import argparse, contextlib, gc, io, json, os, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ class Prober:
         self.dtype, why = from_rank0(pick_dtype(opts.dtype, device) if rank == 0 else None)
         self.dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
         self.data = CharData(load_text(None), opts.block_size)
-        self.budget = opts.budget_mb * MiB
+        self.budget, self.said = opts.budget_mb * MiB, {}
         if rank == 0:
             print(f"N={world_size}: {self.dtype_name} ({why})", flush=True)
         if device.type == "cuda":  # the budget is the allocator's limit: beyond it, torch raises OutOfMemoryError
@@ -135,7 +135,9 @@ class Prober:
             with PeakMemory(self.device) as meter:
                 torch.manual_seed(args.seed + self.rank)
                 model = build_model(Engine, self.config(depth), self.device, self.dtype)
-                engine = Engine(model, args, self.device)
+                with contextlib.redirect_stdout(io.StringIO()) if self.said.get(stage) else contextlib.nullcontext():
+                    engine = Engine(model, args, self.device)  # (what an engine prints, such as offload's cpu_adam line: once)
+                self.said[stage] = True
                 for step in range(2):
                     train_step(engine, self.data, args, step, self.device)
                 if self.device.type == "cpu":  # offload's host-resident states: host memory, not the device's

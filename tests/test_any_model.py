@@ -127,6 +127,13 @@ def test_parameter_without_gradient_is_refused(world_of_one, stage_file):
     refused(lambda: engine.backward(loss_of(engine), sync=True), Misuse.NO_GRADIENT)
 
 
+def test_a_model_on_the_meta_device_without_init_weight_is_refused(world_of_one, stage_file):
+    """Only ZeRO-3's engines make parameters, with the model's init_weight(p); buffers and frozen ones never."""
+    with torch.device("meta"):
+        model = any_model.SetClassifier()
+    refused(lambda: build(stage_file, world_of_one, model), Misuse.META)
+
+
 def test_units_of_the_callers_choosing(world_of_one, stage_file):
     """Stage 3's units: the modules passed (a frozen one gets no bucket), then the root; and training matches."""
     Engine = any_model.load_engine(stage_file)
