@@ -146,8 +146,6 @@ class Prober:
                                          + [getattr(engine, "staging", None)] * (stage == "offload"))
         except torch.OutOfMemoryError:
             out_of_memory = True
-        if hasattr(engine, "updater") and engine.updater is not None:
-            engine.updater.shutdown()
         del model, engine
         charged = meter.peak if self.device.type == "cuda" else meter.peak - meter.base - host
         # every rank must take the same decisions (the next depth to probe), or their collectives would not match: the
@@ -160,7 +158,7 @@ class Prober:
     def search(self, stage):
         """The largest depth that fits, and the estimator's: a row of the table."""
         Engine = load_engine(stage)
-        param_bytes = torch_bytes(self.dtype)
+        param_bytes = 4 if self.dtype_name == "fp32" else 2
         seen = {}
 
         def fits(depth):
@@ -181,20 +179,15 @@ class Prober:
             predicted += 1
         # the measurement: from the prediction, out in doubling steps to a depth on each side, then bisect
         lo, hi = 0, None  # the largest depth known to fit; the smallest known not to
-        for d, (ok, _) in seen.items():
-            lo, hi = (max(lo, d), hi) if ok else (lo, d if hi is None else min(hi, d))
         start, step = max(predicted, 1), 1
-        if hi is None or start < hi:
-            if fits(start):
-                lo = max(lo, start)
-                while hi is None:
-                    d = min(lo + step, MAX_LAYERS)
-                    if d <= lo:
-                        break
-                    lo, hi = (d, hi) if fits(d) else (lo, d)
-                    step *= 2
-            else:
-                hi = start
+        if fits(start):
+            lo = start
+            while hi is None and lo < MAX_LAYERS:
+                d = min(lo + step, MAX_LAYERS)
+                lo, hi = (d, hi) if fits(d) else (lo, d)
+                step *= 2
+        else:
+            hi = start
         while hi is not None and hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -204,11 +197,6 @@ class Prober:
                     predicted_layers=predicted, peak_mib=peak and round(peak / MiB, 2),
                     states_mib=round(device_states(stage, self.params(lo), self.world_size, param_bytes) / MiB, 2)
                     if lo else None, probes=len(seen))
-
-
-def torch_bytes(dtype):
-    import torch
-    return torch.finfo(dtype).bits // 8
 
 
 def worker(local_rank, world_size, port, opts, out):
@@ -244,18 +232,6 @@ def run_world(world_size, opts):
 # ----------------------------------------------------------------------------------------------------------------
 # Report
 
-def cpu_name():
-    """The CPU's model name, family and model (what tells an AVX2-only AMD from a Zen 5), as /proc/cpuinfo gives them."""
-    import platform
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-        info = {k.strip(): v.strip() for k, v in info.items()}
-        return f"{info['model name']} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
-    except (OSError, KeyError):
-        return platform.processor() or platform.machine()
-
-
 def render_table(result):
     rows, o = result["rows"], result["options"]
     base = {r["world_size"]: r["largest_params"] for r in rows if r["stage"] == "stage0"}
@@ -273,15 +249,17 @@ def render_table(result):
 
 
 def headline(rows):
-    """The ratios the papers lead with, measured."""
+    """The ratios the papers lead with, measured, beside what the model states alone would give (in the run's dtype)."""
     get = {(r["stage"], r["world_size"]): r["largest_params"] for r in rows}
+    param = 2 if rows[0].get("dtype", "bf16") == "bf16" else 4  # offload keeps only the parameters on the device
+    whole = 2 * param + 12  # stage 0's model states per parameter: parameters, gradients, fp32 master and Adam
     out = []
     if get.get(("stage3", 4)) and get.get(("stage0", 4)):
         out.append(f"stage 3 at N=4 trains {get['stage3', 4] / get['stage0', 4]:.2f}x the parameters of stage 0 at N=4 "
-                   "(the model states alone: 16Ψ against 16Ψ/N, 4x)")
+                   f"(the model states alone: {whole}Ψ against {whole}Ψ/N, 4x)")
     if get.get(("offload", 1)) and get.get(("stage0", 1)):
         out.append(f"offload at N=1 trains {get['offload', 1] / get['stage0', 1]:.2f}x the parameters of stage 0 at N=1 "
-                   "(the model states on the device alone: 16Ψ against 2Ψ, 8x)")
+                   f"(the model states on the device alone: {whole}Ψ against {param}Ψ, {whole / param:.0f}x)")
     return out
 
 
@@ -373,7 +351,8 @@ def main(argv=None):
     if o.device == "cuda" and max(o.world_sizes) > torch.cuda.device_count():
         p.error(f"N = {max(o.world_sizes)} needs as many GPUs; this machine has {torch.cuda.device_count()}: lower --world_sizes")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    machine = torch.cuda.get_device_name() if o.device == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores"
+    from bench_adam import cpu_model  # (bench/ is on the path: this script's own folder)
+    machine = torch.cuda.get_device_name() if o.device == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
     print(f"largest: {o.budget_mb} MiB per rank; stages {' '.join(o.stages)} at N = {' '.join(map(str, o.world_sizes))}; "
           f"{machine}", flush=True)
     t0, rows = time.perf_counter(), []
