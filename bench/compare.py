@@ -41,6 +41,19 @@ def host_categories(stage, offload_params):
     return hc(stage, offload_params)
 
 
+def other_bytes(summary):
+    """peak - the model states the peak counts: on a GPU the peak is the device's alone, so offload's host-resident
+    states are not in it; on a CPU device and host are one memory, and the peak counts them all."""
+    states = summary["model_state_bytes"]
+    host = host_categories(summary["stage"], summary.get("args", {}).get("offload_params", False))
+    counted = sum(v["measured"] for k, v in states.items() if summary.get("device") != "cuda" or k not in host)
+    other = summary["peak_memory_bytes"] - counted
+    if other < 0:
+        raise ValueError(f"{summary['stage']}: peak {summary['peak_memory_bytes']:,} bytes is below the model states it "
+                         f"holds ({counted:,}): the run's summary is inconsistent")
+    return other
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Running
 
@@ -110,7 +123,7 @@ def load_rows(run_dir, only=None):
             measured=meas, theory=theo, states_measured=sum(meas.values()), states_theory=sum(theo.values()),
             ranks_differ=bool(rank_totals) and max(rank_totals) != min(rank_totals),
             max_rank_states=max(rank_totals) if rank_totals else sum(meas.values()),
-            peak=s["peak_memory_bytes"], other=s["peak_memory_bytes"] - sum(meas.values()),
+            peak=s["peak_memory_bytes"], other=other_bytes(s),
             comm_measured=comm.get("measured", 0.0), comm_theory=comm.get("theory", 0.0),
             tokens_per_s=s.get("tokens_per_s", 0.0), final_loss=losses[-1], val_loss=s.get("val_loss", float("nan"))))
     order = list(SCRIPTS)
@@ -206,7 +219,7 @@ def draw(rows, path):
                 ax.bar(x, h, width, bottom=bottom, color=color, edgecolor="black" if on_host else color,
                        hatch="///" if on_host else None, linewidth=0.6 if on_host else 0)
                 bottom += h
-            other = max(r["other"], 0) / MiB
+            other = r["other"] / MiB
             ax.bar(x, other, width, bottom=bottom, color="#C9C9C9", edgecolor="#8C8C8C", linewidth=0.5)
             t = r["states_theory"] / MiB
             ax.plot([x - width / 2 - 0.08, x + width / 2 + 0.08], [t, t], color="black", linewidth=2.2, solid_capstyle="butt")

@@ -1,0 +1,301 @@
+"""
+tests/fake_cuda.py: a stage on a fake CUDA device, on a machine without one, refused what CUDA would refuse.
+
+    python tests/fake_cuda.py offload.py --preset tiny --steps 2         # one rank; or under torchrun, N ranks:
+    FAKE_CUDA_FINDINGS=DIR torchrun --nproc_per_node 2 tests/fake_cuda.py stage3.py ...  # (findings: DIR/rank<r>.json)
+
+The stage runs with --device cuda through its own CUDA code paths (nccl's calls, pinned host buffers, Copies' streams
+and events) on CPU storage: a TorchDispatchMode tags each storage with the device it was asked for (cuda:r, cpu or
+pinned cpu), the CUDA runtime is stubbed, the process group is gloo, real numbers flow. Refused, naming the project's
+file:line, the op, and the tensors' devices (a host tensor's with the line that made it):
+  - an op whose non-scalar tensors are not all on one device: a kernel reads one device's memory (a 0-dim host
+    tensor is passed as a scalar; copy_ and .to() cross devices);
+  - a collective with a tensor not on this rank's GPU: NCCL reads and writes GPU memory only;
+  - the C++ AdamW (an engine's `adam`) given a GPU tensor: it reads host pointers; record_stream on a host tensor;
+  - inside forward or backward, or while a batch comes up, a host synchronisation, which stops the host from queueing work ahead of the GPU:
+    .item()/float() of a GPU tensor, nonzero(), synchronize(), a copy between device and host unless non_blocking with
+    its host end pinned (torch waits for a blocking one; to pageable memory it returns only when done).
+A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
+stream in forward; collectives issued on another stream. Not modelled: the order of streams (tests/simulated_stream
+tests that on CPU), speed, memory limits (FAKE_CUDA_FREE_BYTES: what mem_get_info says is free).
+"""
+import collections, contextlib, inspect, json, os, runpy, sys, threading, traceback, types, weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+aten = torch.ops.aten
+INDEXING = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)  # (host indices are moved over)
+tags = weakref.WeakKeyDictionary()  # storage -> (device: "cuda:i", "cpu" or "pinned" (a pinned host buffer), made at)
+findings, seen = collections.Counter(), collections.Counter()  # refusals; what was checked (the tests: not nothing)
+state = types.SimpleNamespace(device=int(os.environ.get("LOCAL_RANK", 0)), nccl=False, dirs=[ROOT], compute=None)
+
+class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"; in a collective; in Tensor.to; the
+    phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
+flags = Flags()
+real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
+            exit=os._exit, run=threading.Thread.run)
+
+
+def tag(t):
+    """Where t lives on the fake machine; a tensor made outside the mode (or on meta) is on its real device."""
+    entry = tags.get(t.untyped_storage()) if real["device"](t).type == "cpu" else None
+    return entry[0] if entry else real["device"](t).type
+
+def host(t):
+    return not tag(t).startswith("cuda")
+
+def shown(name, t):
+    """'name cuda[numel]', 'name cpu(pinned)[numel] (made at file:line)'."""
+    made = f" (made at {tags.get(t.untyped_storage(), ('', '?'))[1]})" if host(t) else ""
+    device = {"pinned": "cpu(pinned)", f"cuda:{state.device}": "cuda"}.get(tag(t), tag(t))
+    return f"{name} {device}[{t.numel()}]{made}"
+
+def tensors(arguments):
+    """(name, tensor) for each tensor among (name, value) pairs, a list's as name[i]."""
+    return [(f"{n}[{i}]" if isinstance(v, (list, tuple)) else n, t) for n, v in arguments
+            for i, t in enumerate(v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
+
+def where():
+    """file:line of the innermost frame in the project (the repository or the stage's folder, not tests/); if that is
+    in the plumbing every stage shares (the comm ledger, devices.py), its caller's, "via" the plumbing's."""
+    frames, f = ["?"], sys._getframe(1)
+    while f is not None:
+        path = os.path.abspath(f.f_code.co_filename)
+        d = next((d for d in state.dirs if path.startswith(d + os.sep)), None)
+        if d and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path:
+            frames.insert(-1, f"{os.path.relpath(path, d)}:{f.f_lineno}")
+        f = f.f_back
+    caller = next((fr for fr in frames if fr.split(":")[0] not in ("instruments.py", "devices.py")), frames[0])
+    return caller + f" (via {frames[0]})" * (caller != frames[0])
+
+def refuse(op, detail):
+    findings[f"{where()} {op}: {detail}"] += 1
+
+def host_sync(what):
+    if flags.phase:
+        refuse(f"host sync in {flags.phase}", what)
+
+
+class FakeCuda(TorchDispatchMode):
+    """device="cuda" served on the CPU; every op checked; new outputs tagged (views share their storage's tag)."""
+    @classmethod
+    def _should_skip_dynamo(cls):  # nothing is compiled here: torch need not import its compiler (2.5 s a rank)
+        return False
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func.namespace == "c10d":  # collectives: checked by NCCL's rule where torch.distributed is called
+            return func(*args, **kwargs)
+        named = tensors([(a.name, v) for a, v in zip(func._schema.arguments, args)] + list(kwargs.items()))
+        want, pin = kwargs.get("device"), kwargs.pop("pin_memory", None)  # pinning needs CUDA: a tag instead
+        if isinstance(want, torch.device) and want.type == "cuda":
+            want = torch.device("cuda", state.device if want.index is None else want.index)
+            kwargs["device"] = torch.device("cpu")
+        elif want == torch.device("cpu") and not flags.move and any(not host(t) for _, t in named):
+            want = None  # C++ (autograd's saved options, say) names the real device: its inputs' is meant
+        non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2] if func is aten.copy_.default else False)
+        if func is aten._to_copy.default and non_blocking and want == torch.device("cpu") and not host(args[0]):
+            pin = True  # torch pins the host end of a non_blocking copy down itself
+        seen[f"{flags.phase} ops"] += bool(flags.phase)
+        if func is aten.is_pinned.default:
+            return tag(args[0]) == "pinned"
+        if not flags.collective:
+            self.check(func, named, want, pin, non_blocking)
+        out = args[0].clone() if func is aten._pin_memory.default else func(*args, **kwargs)
+        pin = pin or func is aten._pin_memory.default
+        new = next((tag(t) for _, t in named if not host(t)), "pinned" if pin else "cpu") if want is None else \
+            str(want) if want.type == "cuda" else "pinned" if pin else "cpu"  # (a buffer like a pinned one: pageable)
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and real["device"](t).type == "cpu" and t.untyped_storage() not in tags:
+                tags[t.untyped_storage()] = (new, where())
+        return out
+
+    def check(self, func, named, want, pin, non_blocking):
+        op, (_, first) = str(func).removesuffix(".default"), named[0] if named else (None, None)
+        if func in (aten.copy_.default, aten._to_copy.default):  # across: async only non_blocking, host end pinned
+            src = tag(named[1][1] if func is aten.copy_.default else first)
+            dst = tag(first) if func is aten.copy_.default else src if want is None else \
+                str(want) if want.type == "cuda" else "pinned" if pin else "cpu"
+            if src.startswith("cuda") != dst.startswith("cuda"):
+                seen[f"device-host copies in {flags.phase}"] += bool(flags.phase)
+                down, host_end = src.startswith("cuda"), dst if src.startswith("cuda") else src
+                if not (non_blocking and host_end == "pinned"):
+                    host_sync(f"{op} {'non_blocking' if non_blocking else 'blocking'} to the "
+                              f"{'host' if down else 'device'}, {'pinned' if host_end == 'pinned' else 'pageable'} "
+                              f"memory: " + ", ".join(shown(n, t) for n, t in named[:2]))
+        elif func in (aten._local_scalar_dense.default, aten.nonzero.default):
+            if not host(first):
+                host_sync(f"{op} (.item(), float(), a shape from data) of {shown('self', first)}")
+        elif len({"cpu" if host(t) else tag(t) for n, t in named if (t.dim() or not host(t)) and not (
+                func in INDEXING and n.startswith("indices") and host(t))}) > 1:  # one kernel, one device
+            refuse(op, ", ".join(shown(n, t) for n, t in named))
+
+
+# ---- the CUDA runtime, stubbed: a fake GPU per local rank -----------------------------------------------------
+class Stream:
+    """Orders nothing here; what is recorded: the compute stream (the default one) waiting for another stream's
+    events in forward, where it should compute while copies and collectives run beside it."""
+    def __init__(self, *args, **kwargs):
+        pass
+    def wait_event(self, event):
+        if self is state.compute and event.stream is not self:
+            seen[f"compute waits for another stream in {flags.phase}"] += 1
+    wait_stream = lambda self, other: self.wait_event(Event(other))
+    record_event = lambda self, event=None: Event(self)
+    query, synchronize = lambda self: True, lambda self: host_sync("synchronize()")
+
+class Event:
+    def __init__(self, stream=None, *args, **kwargs):
+        self.stream = stream if isinstance(stream, Stream) else None
+    record = lambda self, stream=None: setattr(self, "stream", stream or current_stream())
+    wait = lambda self, stream=None: (stream or current_stream()).wait_event(self)
+    query, elapsed_time = lambda self: True, lambda self, other: 0.0
+    synchronize = lambda self: host_sync("synchronize()")
+
+def current_stream(device=None):
+    return flags.streams[-1] if flags.streams else state.compute
+
+@contextlib.contextmanager
+def stream(s):  # torch.cuda.stream: None changes nothing
+    outer = flags.streams
+    flags.streams = outer + (s,) * (s is not None)
+    try:
+        yield
+    finally:
+        flags.streams = outer
+
+def to(self, *args, **kwargs):
+    """Tensor.to by the fake devices: a move copies (the real devices are the same), no move returns self."""
+    if args and isinstance(args[0], torch.Tensor):
+        args = (args[0].device, args[0].dtype, *args[1:])
+    copy = kwargs.pop("copy", False)
+    device, dtype, non_blocking, fmt = torch._C._nn._parse_to(*args, **kwargs)
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", state.device)
+    device = None if device == self.device else device
+    return during("move", True, real["to"])(self, device=device, dtype=dtype, non_blocking=non_blocking,
+                                            copy=copy or device is not None, memory_format=fmt or torch.preserve_format)
+
+def init_process_group(backend=None, *args, **kwargs):
+    """nccl -> gloo, without device_id; the calls keep NCCL's rules."""
+    state.nccl = backend == "nccl"
+    kwargs.pop("device_id", None)
+    return real["init"]("gloo" if state.nccl else backend, *args, **kwargs)
+
+def during(flag, value, fn):
+    """fn, with this thread's flags.<flag> set to value while it runs."""
+    def call(*args, **kwargs):
+        outer = getattr(flags, flag)
+        setattr(flags, flag, value)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            setattr(flags, flag, outer)
+    return call
+
+def nccl_checked(name, fn):
+    """torch.distributed.<name> refusing, under nccl, a tensor not on this rank's GPU (the *_object collectives call
+    the module's own functions, left alone: with gloo they run on the host)."""
+    signature = inspect.signature(fn)
+    def checked(*args, **kwargs):
+        if state.nccl:
+            seen["collectives"] += 1
+            seen["collectives issued on another stream"] += current_stream() is not state.compute
+            named = tensors(signature.bind_partial(*args, **kwargs).arguments.items())
+            if any(tag(t) != f"cuda:{state.device}" for _, t in named):
+                refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named))
+        return during("collective", True, fn)(*args, **kwargs)
+    return checked
+
+def checked_engine(Engine):
+    """The engine class, its forward and backward marked as the phases, its C++ AdamW (`adam`, where
+    instruments.Timeline finds it) refusing GPU tensors: it reads host pointers."""
+    init = Engine.__init__
+    def __init__(engine, *args, **kwargs):
+        init(engine, *args, **kwargs)
+        adam = getattr(engine, "adam", None)
+        if hasattr(adam, "adam_step"):
+            engine.adam = types.SimpleNamespace(**{k: getattr(adam, k) for k in dir(adam) if not k.startswith("__")})
+            engine.adam.adam_step = lambda *args: adam_step(adam, *args)
+    def adam_step(adam, *args):
+        seen["cpu_adam steps"] += 1
+        named = tensors((f"arg{i}", t) for i, t in enumerate(args))
+        if any(not host(t) for _, t in named):
+            refuse("cpu_adam.adam_step", ", ".join(shown(n, t) for n, t in named))
+        return adam.adam_step(*args)
+    Engine.__init__ = __init__
+    Engine.forward = during("phase", "forward", Engine.forward)
+    Engine.backward = during("phase", "backward", Engine.backward)
+    return Engine
+
+def run(thread):
+    """Thread.run under the mode, which is per thread (offload's delayed update runs in a thread of its own)."""
+    with FakeCuda():
+        real["run"](thread)
+
+def install():
+    none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
+    for name, value in dict(
+            is_available=lambda: True, device_count=lambda: int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            set_device=lambda d: setattr(state, "device", d.index if isinstance(d, torch.device) else int(d)),
+            current_device=lambda: state.device, get_device_name=lambda d=None: "fake CUDA",
+            get_device_capability=lambda d=None: (9, 0), is_bf16_supported=lambda *a, **k: True, Stream=Stream,
+            Event=Event, stream=stream, current_stream=current_stream,
+            synchronize=lambda d=None: host_sync("synchronize()"), max_memory_allocated=lambda d=None: 0,
+            memory_allocated=lambda d=None: 0, host_memory_stats=lambda: {},
+            mem_get_info=lambda d=None: (int(os.environ.get("FAKE_CUDA_FREE_BYTES", 2**36)),) * 2,
+            get_rng_state=lambda d=None: torch.get_rng_state(), _lazy_init=none(), reset_peak_memory_stats=none(),
+            empty_cache=none(), set_per_process_memory_fraction=none(), set_rng_state=none()).items():
+        setattr(torch.cuda, name, value)
+    torch.Tensor.device = property(lambda t: torch.device(tag(t)) if not host(t) else real["device"](t))
+    torch.Tensor.is_cuda = property(lambda t: not host(t))
+    torch.Tensor.to = to
+    torch.Tensor.record_stream = lambda t, stream: host(t) and refuse("record_stream", shown("self", t))
+    torch.Tensor.cpu = lambda t, memory_format=torch.preserve_format: t.to("cpu", memory_format=memory_format)
+    torch.Tensor.cuda = lambda t, device=None, non_blocking=False, **kwargs: t.to(
+        "cuda" if device is None else device, non_blocking=non_blocking)
+    dist.init_process_group, threading.Thread.run = init_process_group, run
+    dist.Work.wait = during("collective", True, dist.Work.wait)  # gloo's own copies in it (NCCL makes none)
+    for name in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+                 "all_gather_single", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather", "scatter",
+                 "all_to_all_single", "send", "recv", "isend", "irecv"):
+        if hasattr(dist, name):
+            setattr(dist, name, nccl_checked(name, getattr(dist, name)))
+    state.compute = Stream()
+    import train_gpt
+    train_gpt.CharData.batch = during("phase", "batch", train_gpt.CharData.batch)  # its copies up: never blocking
+    main = train_gpt.main
+    train_gpt.main = lambda Engine, *args, **kwargs: main(checked_engine(Engine), *args, **kwargs)
+    os._exit = lambda code: sys.stdout.flush() or real["exit"](report(code))  # instruments.finish's exit: os._exit(0)
+
+def report(code):
+    """Write this rank's findings (to FAKE_CUDA_FINDINGS/rank<r>.json), print them; the exit code: 1 on a finding."""
+    rank, out = int(os.environ.get("RANK", 0)), os.environ.get("FAKE_CUDA_FINDINGS")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "exit_code": code, "findings": findings, "seen": +seen}, f, indent=1)
+    for message, count in findings.items():
+        print(f"fake_cuda: rank {rank}: {message}" + f" ({count} times)" * (count > 1), file=sys.stderr, flush=True)
+    return code or int(bool(findings))
+
+
+if __name__ == "__main__":
+    script = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else sys.exit(__doc__)
+    state.dirs.append(os.path.dirname(script))
+    sys.argv, sys.path[0] = [script, *sys.argv[2:], "--device", "cuda"], os.path.dirname(script)  # as python stage.py
+    sys.path.insert(1, ROOT)
+    install()
+    code = 1
+    try:
+        with FakeCuda():
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:  # its code, or its message printed and 1, as Python does
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+    except BaseException:
+        traceback.print_exc()
+    os._exit(code)

@@ -1,0 +1,84 @@
+"""The decisions the CUDA path takes, checked on a CPU by giving them a GPU's answers: the dtype --dtype auto picks,
+the C++ AdamW's threads beside a delayed update, what bench/largest.py refuses to run on a GPU, and what
+bench/compare.py counts as "other" memory when the peak is the device's alone. (Where tensors live on a GPU is
+tests/test_fake_cuda.py's part; what a real GPU does, tests/test_gpu.py's.)"""
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from devices import adam_threads, pick_dtype
+from offload import load_cpu_adam
+
+sys.path.insert(0, str(ROOT / "bench"))
+import compare  # noqa: E402
+import largest  # noqa: E402
+
+
+@pytest.mark.parametrize("capability, dtype", [((7, 0), torch.float32), ((7, 5), torch.float32),
+                                               ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(monkeypatch, capability, dtype):
+    """A V100 (7.0) or T4 (7.5) emulates bf16, slowly, though torch.cuda.is_bf16_supported() says yes there: fp32.
+    An A100 (8.0) or H100 (9.0) computes it: bf16. The reason names the GPU and its capability."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what torch says on all four
+    picked, why = pick_dtype("auto", torch.device("cuda", 0))
+    assert picked == dtype, why
+    assert f"Some GPU (compute capability {capability[0]}.{capability[1]})" in why
+
+
+def test_delayed_update_leaves_the_rank_a_core(monkeypatch, capsys):
+    """With --delayed_update the C++ AdamW runs beside forward and backward: it takes the rank's share of the cores
+    less one (at least one thread), and its line says so; without, the whole share."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    share = adam_threads()[0]
+    assert adam_threads(spare=1)[0] == max(1, share - 1)
+    try:
+        mod = load_cpu_adam(announce=True, spare=1)
+        assert mod.threads() == max(1, share - 1)
+        assert "1 left to the rank's own threads" in capsys.readouterr().out
+    finally:
+        assert load_cpu_adam().threads() == share  # the next engine sets its own count
+
+
+def test_largest_refuses_what_only_an_out_of_memory_error_would_decide():
+    """On a GPU: host states beyond the host memory available are refused (the kernel's OOM killer would end the
+    process); at N > 1 a formula beyond the GPU's free memory is refused (one rank's OOM error would hang the others);
+    at N = 1 the GPU's own error decides. On a CPU nothing is refused."""
+    GiB = 2**30
+    assert largest.refused(True, 1, 200 * GiB, 100 * GiB, 1 * GiB, 80 * GiB) == "host memory"
+    assert largest.refused(True, 4, 1 * GiB, 100 * GiB, 79 * GiB, 80 * GiB) == "device memory"
+    assert largest.refused(True, 1, 1 * GiB, 100 * GiB, 79 * GiB, 80 * GiB) is None
+    assert largest.refused(True, 4, 1 * GiB, None, 10 * GiB, 80 * GiB) is None
+    assert largest.refused(False, 4, 200 * GiB, 100 * GiB, 200 * GiB, None) is None
+
+
+def test_largest_charges_offload_params_host_states():
+    """The --offload_params row keeps the parameter shard in host memory too: none of its model states is charged to
+    the device, and with CUDA its pinned buffers count as the pinned-memory cache allocates them (powers of two)."""
+    psi, n = 3 * 2**20, 1
+    assert largest.device_states("offload_params", psi, n, 2) == 0
+    assert largest.device_states("offload", psi, n, 2) == 2 * psi
+    pinned = largest.host_states("offload_params", psi, n, 2, cuda=True) - 12 * psi
+    assert pinned == 3 * 2**23  # gradient shard, staging and parameter shard: 6 MiB each, rounded up to 8 MiB
+    assert largest.host_states("offload_params", psi, n, 2, cuda=False) == 12 * psi + 3 * 2 * psi
+
+
+def summary(stage, device, peak, offload_params=False):
+    states = {"params": 100, "grads": 100, "master": 200, "adam_m": 200, "adam_v": 200}
+    return dict(stage=stage, device=device, peak_memory_bytes=peak, args=dict(offload_params=offload_params),
+                model_state_bytes={k: dict(measured=v) for k, v in states.items()})
+
+
+def test_compare_other_subtracts_only_what_the_peak_counts():
+    """A GPU's peak is device memory: offload's host-resident states (gradients, master, moments; the parameters too
+    with --offload_params) are not in it. A CPU's peak counts every state. A peak below what it must hold is an error,
+    never a bar clamped to zero."""
+    assert compare.other_bytes(summary("offload", "cuda", 150)) == 50
+    assert compare.other_bytes(summary("offload", "cuda", 150, offload_params=True)) == 150
+    assert compare.other_bytes(summary("offload", "cpu", 900)) == 100
+    assert compare.other_bytes(summary("stage3", "cuda", 900)) == 100
+    with pytest.raises(ValueError, match="below the model states"):
+        compare.other_bytes(summary("stage3", "cuda", 150))
