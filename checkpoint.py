@@ -14,6 +14,22 @@ is on disk, and a checkpoint without its manifest does not exist: a crash mid-sa
 
 train_gpt.main calls it; the stage files never do: an Engine only lists its pieces (state_pieces) and takes them
 back (resume).
+
+- `--ckpt_dir DIR --save_every K` saves after every K steps and at the end into DIR/step_000K/: one
+  shard_0000r_of_0000N.pt per rank (its fp32 master weights, Adam moments and random state) and a manifest.json
+  (step, model config, vocabulary, loss history, and the size and sha256 of every shard). The newest two complete
+  checkpoints are kept. On several nodes, DIR must be a file system that every node sees.
+- `--stop_after K` ends the run after step K, as if interrupted, while the learning-rate schedule still follows
+  --steps (cut a long run into jobs that fit a cluster's time limit).
+- `--resume DIR` continues from the newest complete checkpoint in DIR (or from a step_* directory named directly)
+  and saves on into DIR unless --ckpt_dir says otherwise. The data position is the step: the batch of step s is a
+  function of (seed, s) alone, so a stage that stops and resumes on the same N gives the uninterrupted run bit for bit.
+- Refused before anything is written, each with one line that says what is wrong and what to do: a directory with no
+  complete checkpoint, a manifest that is not one, a shard missing, truncated or corrupt (size and sha256 against
+  the manifest; each rank checks its share), shards that hold less than the manifest promises, a checkpoint of
+  another model (--preset and overrides) or another text (--data), and a --ckpt_dir that holds another run's.
+- With offload's --delayed_update, a save first lands the CPU update in flight (as the end of training does), so a
+  run that saves is one update less stale at that step than one that does not; every other stage resumes exactly.
 """
 import glob, hashlib, json, math, os, shutil
 from collections import defaultdict
@@ -59,6 +75,10 @@ def sha256(path):
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
+
+def checkpoint_due(step, end, args):
+    """Save after this step? Every --save_every steps, and at the end of the run."""
+    return step + 1 == end or bool(args.save_every) and (step + 1) % args.save_every == 0
 
 def save_checkpoint(ckpt_dir, engine, step, meta, device):
     """Every rank writes its shard of the state after `step` optimizer steps; rank 0 then writes the manifest."""
@@ -162,8 +182,9 @@ def saved_pieces(where, manifest):
             yield name, lo, hi, {k: shard[k][at:at + hi - lo] for k in STATE}
             at += hi - lo
 
-def load_checkpoint(where, manifest, engine, device):
-    """Fill this rank's pieces from the saved ones, whatever stage and world size saved them; return the step."""
+def load_checkpoint(where, manifest, engine, device, stage=None):
+    """Fill this rank's pieces from the saved ones, whatever stage and world size saved them; return the step. With
+    `stage` (the run's name), rank 0 says so."""
     wanted = defaultdict(list)
     for name, lo, hi, views in engine.state_pieces():
         wanted[name].append((lo, hi, views))
@@ -184,6 +205,9 @@ def load_checkpoint(where, manifest, engine, device):
         if shard["cuda_rng"] is not None and device.type == "cuda":  # (on a CPU run, touching CUDA makes a context)
             torch.cuda.set_rng_state(shard["cuda_rng"], device)
     engine.resume(manifest["step"])
+    if stage and rank == 0:
+        print(f"{stage}: resumed from {where} (saved by {manifest['stage']} on {manifest['world_size']} rank(s)) at "
+              f"step {manifest['step']}", flush=True)
     return manifest["step"]
 
 def assemble(pieces, shapes):
@@ -197,13 +221,24 @@ def assemble(pieces, shapes):
     missing = [name for name in shapes if covered[name] != full[name].numel()]
     return {name: t.view(*shapes[name]) for name, t in full.items()}, missing
 
+_host_group = []
+
+def host_group():
+    """A process group whose collectives move host memory (gloo): NCCL's would stage every rank's pieces, the whole
+    fp32 model, on rank 0's GPU. The default group where that is gloo already; made once, by every rank."""
+    if dist.get_backend() == "gloo":
+        return None
+    if not _host_group:
+        _host_group.append(dist.new_group(backend="gloo"))
+    return _host_group[0]
+
 def gather_master(engine):
     """The full fp32 master weights {name: tensor}, on rank 0 (None elsewhere): a collective over every rank."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = [(name, lo, hi, views[0].detach().cpu()) for name, lo, hi, views in engine.state_pieces()]
     if dist.is_initialized():
         every = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(mine, every, dst=0)
+        dist.gather_object(mine, every, dst=0, group=host_group())
     else:
         every = [mine]
     if rank != 0:
@@ -235,12 +270,3 @@ def load_consolidated(path):
     except Exception:
         raise SystemExit(f"error: --sample {path}: not a consolidated GPT (a checkpoint shard, or another file); {fix}") from None
     return saved
-
-def sample_text(GPT, GPTConfig, saved, args, device=torch.device("cpu")):
-    """Text generated by the GPT with these fp32 weights (a consolidated file's dict), starting from a newline."""
-    model, chars = GPT(GPTConfig(**saved["config"])).to(device), saved["chars"]
-    model.load_state_dict({**saved["state_dict"], "lm_head.weight": saved["state_dict"]["wte.weight"]})  # the tied head
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    start = torch.full((1, 1), chars.index("\n") if "\n" in chars else 0, dtype=torch.long, device=device)
-    out = model.generate(start, args.sample_chars, generator=g)[0].tolist()
-    return "--- sample ---\n" + "".join(chars[i] for i in out if i < len(chars)) + "\n--------------"

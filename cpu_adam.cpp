@@ -20,21 +20,20 @@
 // temporary of 4 bytes per parameter and ~16 bytes per parameter of memory traffic on top of the step's 26-28.
 // It is rounded to fp32 first, as torch rounds a Python scalar that multiplies an fp32 tensor, so the result is
 // bit for bit what the step does with the scaled gradient. Multiplying by 1.0 is exact, and one multiply per
-// vector is nothing beside the two divisions and the square root (measured at 2^24 and 2^26 parameters: no
-// difference beyond this machine's +-2% noise), so there is no separate unscaled path.
+// vector is nothing beside the two divisions and the square root, so there is no separate unscaled path.
 //
 // Why it is bandwidth bound: per parameter we read p, g, m, v and write p, m, v: 28 bytes for a dozen flops.
 // So: one pass, no temporaries, each value loaded once and stored once. The arithmetic is not free either (two
-// divisions and a square root per element, ~1 G elements/s per core here, little more than memory's
-// ~0.7 G/s per core), so the loop prefetches ahead in software to keep memory busy while the divider works.
-// Non-temporal (streaming) stores were measured and rejected: p, m, v are updated in place, so their lines are in
-// the cache already and bypassing it only slowed the step down (by 10-15%).
+// divisions and a square root per element, of the order of memory's own rate per core), so the loop prefetches
+// ahead in software to keep memory busy while the divider works. The stores are ordinary, not streaming: p, m, v
+// are updated in place, so their lines are in the cache already (bench/bench_adam.py's ceiling loops measure both
+// kinds of store on any machine).
 //
 // Structure: OpenMP splits the arrays into large tiles (static schedule: each thread walks one contiguous run);
 // inside a tile, one of three code paths chosen at compile time: AVX-512 (16 floats per vector), AVX2 + FMA (8),
 // or the portable scalar loop, which also does the tails. All paths compute the same bits: the FMAs are written
 // out, and the build passes -ffp-contract=off so that the compiler adds none of its own.
-// The loader (load_cpu_adam in offload.py) picks the path from torch's own CPU check and compiles it with explicit
+// The loader (load_cpu_adam) picks the path from torch's own CPU check and compiles it with explicit
 // flags, never -march=native: AVX-512 with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma, AVX2 with
 // -mavx2 -mfma, scalar with none (the only path on aarch64, where the compiler may still vectorise it with NEON).
 // isa() reports the path that was compiled, and the module is named after it (cpu_adam_avx2, ...), so a build
@@ -77,7 +76,7 @@ struct Hyper {        // per-call constants, all as float like torch's fp32 kern
 
 constexpr int64_t kTile = 1 << 16;  // elements per OpenMP work item (a multiple of 16; 1.75 MiB of traffic)
 constexpr int64_t kAhead = 512;  // software prefetch distance in elements (2 KiB of each fp32 array)
-constexpr int kLocality = 2;     // __builtin_prefetch locality 2 = prefetcht1: into L2 (measured a little better)
+constexpr int kLocality = 2;     // __builtin_prefetch locality 2 = prefetcht1: into L2
 int g_threads = 0;               // threads of the parallel region; 0: OpenMP's default (set_threads)
 
 int num_threads() {
@@ -88,8 +87,8 @@ int num_threads() {
 #endif
 }
 
-// Ask for the cache lines needed kAhead elements from now: one line (16 floats) of each array per 16 elements.
-// With the hardware prefetcher alone the core waits on memory more often (measured: the step is 5-10% slower).
+// Ask for the cache lines needed kAhead elements from now: one line (16 floats) of each array per 16 elements,
+// so that the core waits on memory less often than with the hardware prefetcher alone.
 template <typename G>
 inline void prefetch(const float* p, const G* g, const float* m, const float* v, int64_t i, int64_t end) {
     if (i + kAhead >= end) return;  // stay inside this tile (and the arrays)
@@ -156,7 +155,6 @@ struct Simd {
         u = _mm512_mask_blend_epi32(nan, u, _mm512_set1_epi32(0x7fc00000));
         _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
     }
-    static void stream(float* o, F x) { _mm512_stream_ps(o, x); }  // o must be 64-byte aligned
     static F add(F a, F b) { return _mm512_add_ps(a, b); }
     static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -184,7 +182,6 @@ struct Simd {
         u = _mm256_srli_epi32(u, 16);  // 8 x 16-bit values in 32-bit lanes: pack the two halves
         _mm_storeu_si128((__m128i*)o, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
     }
-    static void stream(float* o, F x) { _mm256_stream_ps(o, x); }  // o must be 32-byte aligned
     static F add(F a, F b) { return _mm256_add_ps(a, b); }
     static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -298,52 +295,3 @@ void set_threads(int64_t n) {
     g_threads = int(n);
 }
 int64_t threads() { return num_threads(); }
-
-// ---- For the benchmark only: candidates for the memory-traffic ceiling. Each moves the same 28 bytes per parameter
-// as adam_step (read p, g, m, v; write p, m, v) with trivial arithmetic, on the same threads, tiled by `tile`
-// elements, with or without software prefetching, with ordinary or streaming (non-temporal) stores. The benchmark
-// takes the fastest: no single loop is the fastest way to move memory on every CPU.
-template <bool Prefetch, bool Stream>
-void touch_all(float* p, const float* g, float* m, float* v, int64_t n, int64_t tile) {
-    for_each_tile(p, n, tile, [&](int64_t i, int64_t end) {
-        const int64_t begin = i;
-#if defined(CPU_ADAM_AVX512) || defined(CPU_ADAM_AVX2)
-        using S = Simd;
-        for (; i + S::width <= end; i += S::width) {
-            if (Prefetch && (i - begin) % 16 == 0) prefetch(p, g, m, v, i, end);
-            S::F gi = S::load(g + i), pi = S::add(S::load(p + i), gi), mi = S::add(S::load(m + i), gi),
-                 vi = S::add(S::load(v + i), gi);
-            if (Stream) { S::stream(p + i, pi); S::stream(m + i, mi); S::stream(v + i, vi); }
-            else { S::store(p + i, pi); S::store(m + i, mi); S::store(v + i, vi); }
-        }
-        if (Stream) _mm_sfence();  // streaming stores are weakly ordered: drain them before the tile counts as done
-#endif
-        for (; i < end; ++i) {  // the scalar path, and the tails
-            if (Prefetch && (i - begin) % 16 == 0) prefetch(p, g, m, v, i, end);
-            p[i] += g[i]; m[i] += g[i]; v[i] += g[i];
-        }
-    });
-}
-
-// Whether this build has the streaming-store variant (the vector paths).
-bool touch_can_stream() { return std::string(kIsa) != "scalar"; }
-
-void touch_28_bytes(at::Tensor p_, at::Tensor g_, at::Tensor m_, at::Tensor v_, int64_t tile, bool prefetch_ahead,
-                    bool stream) {
-    const int64_t n = p_.numel();
-    check(p_, "p", n, false); check(g_, "g", n, false); check(m_, "m", n, false); check(v_, "v", n, false);
-    TORCH_CHECK(tile >= 64 && tile % 16 == 0, "touch_28_bytes: tile must be a multiple of 16, >= 64, got ", tile);
-    float *p = p_.data_ptr<float>(), *m = m_.data_ptr<float>(), *v = v_.data_ptr<float>();
-    const float* g = g_.data_ptr<float>();
-    const auto aligned = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 64 == 0; };
-    TORCH_CHECK(!stream || (touch_can_stream() && aligned(p) && aligned(m) && aligned(v)), "touch_28_bytes: "
-                "streaming stores need a vector path and p, m, v aligned to 64 bytes");
-    pybind11::gil_scoped_release no_gil;
-#if defined(CPU_ADAM_AVX512) || defined(CPU_ADAM_AVX2)
-    if (stream) {
-        return prefetch_ahead ? touch_all<true, true>(p, g, m, v, n, tile)
-                              : touch_all<false, true>(p, g, m, v, n, tile);
-    }
-#endif
-    prefetch_ahead ? touch_all<true, false>(p, g, m, v, n, tile) : touch_all<false, false>(p, g, m, v, n, tile);
-}

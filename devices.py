@@ -1,8 +1,8 @@
 """
 devices.py: the device-specific part, kept thin and in one place, so that train_gpt.py and the stage files read as the
 algorithm: which device and dtype a run uses, the process group and the few agreements its ranks make, and, for
-ZeRO-Offload (offload.py), the device<->host copies (streams, events, pinned buffers) and the build of the C++ AdamW.
-Without CUDA each of these degrades to its CPU form (gloo, plain copies), never to another algorithm.
+ZeRO-Offload's C++ AdamW (built by offload.py), each code path's compiler flags, its build checks and its threads.
+Without CUDA each of these degrades to its CPU form (gloo), never to another algorithm.
 """
 import math, os, shutil, socket, sys, time
 
@@ -67,10 +67,12 @@ def pick_dtype(choice, device):
     alone would also pick bf16 where oneDNN only emulates it)."""
     if choice != "auto":
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice], f"--dtype {choice}"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, f"auto: {torch.cuda.get_device_name(device)} supports bf16"
-        return torch.float32, f"auto: {torch.cuda.get_device_name(device)} has no bf16"
+    if device.type == "cuda":  # bf16 in hardware from compute capability 8.0 (Ampere) on; torch.cuda.is_bf16_supported()
+        # would also say yes where bf16 is only emulated, and slow (a V100 or T4)
+        name, (major, minor) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        if major >= 8:
+            return torch.bfloat16, f"auto: {name} (compute capability {major}.{minor}) computes bf16 natively"
+        return torch.float32, f"auto: {name} (compute capability {major}.{minor}) has no native bf16, only a slow emulation"
     isa = torch.backends.cpu.get_cpu_capability()
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     if check is not None and not check():
@@ -103,9 +105,13 @@ def agree(error):
         raise SystemExit(errors[0])
 
 # ----------------------------------------------------------------------------------------------------------
-# ZeRO-Offload's device layer: the C++ AdamW's build, and the copies between device and host memory.
+# ZeRO-Offload's C++ AdamW: which code path, built with which flags, on how many threads.
 
-_cpu_adam = {}  # code path -> the built module, once load_cpu_adam() has built it
+CPU_ADAM_BUILDS = {}  # instruction set -> the module offload.load_cpu_adam built for it, once per process
+def cpu_adam_source():
+    """The text of cpu_adam.cpp, the project's (wherever a stage file is: an exercise's copy builds the same kernel)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")) as f:
+        return f.read()
 
 # The compiler flags of each code path of cpu_adam.cpp: exactly the instructions torch's own CPU check promises for its
 # capability of that name (ATen reports AVX2 only with FMA, AVX512 only with AVX-512 VL, BW, DQ and FMA). Never
@@ -115,6 +121,7 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma"],
     "scalar": [],  # portable C++: the only path on aarch64 and other CPUs (no x86 flags there)
 }
+OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple's compiler has none: the kernel then runs on one thread
 
 def cpu_adam_isas():
     """The kernel's code paths this CPU can run, best first, from torch.backends.cpu.get_cpu_capability() (which
@@ -122,120 +129,55 @@ def cpu_adam_isas():
     cap = torch.backends.cpu.get_cpu_capability()
     return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, []) + ["scalar"]
 
-def adam_threads():
-    """(threads per rank, cores, local ranks) for the kernel: this node's cores shared among its local ranks. Not
-    OMP_NUM_THREADS, which torchrun sets to 1 when nproc_per_node > 1 (one core for each rank's Adam), while without
-    torchrun every rank would take every core."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, cores // local), cores, local
-
-def load_cpu_adam(isa=None, announce=False):
-    """Build cpu_adam.cpp for one code path (default: CPU_ADAM_ISA if set, else the best this CPU runs) and return the
-    module; once per path and process, and torch caches the build in TORCH_EXTENSIONS_DIR under the module's name,
-    cpu_adam_<path>. The kernel gets this rank's share of the cores. announce: print one line saying what was used."""
+def cpu_adam_isa(isa=None):
+    """The code path to build: `isa`, else CPU_ADAM_ISA, else the best this CPU runs; one it cannot run is refused."""
     runnable = cpu_adam_isas()
     isa = isa or os.environ.get("CPU_ADAM_ISA") or runnable[0]
     if isa not in runnable:
         raise RuntimeError(f"cpu_adam: no {isa!r} code path for this CPU (torch's CPU capability: "
                            f"{torch.backends.cpu.get_cpu_capability()}); CPU_ADAM_ISA can be {', '.join(runnable)}")
-    if isa not in _cpu_adam:
+    return isa
+
+def cpu_adam_cflags(isa):
+    """-ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike. -fno-math-errno: sqrt
+    without a branch to set errno, so the portable loop can be vectorised."""
+    return ["-O3", "-ffp-contract=off", "-fno-math-errno", *OPENMP, *ISA_FLAGS[isa]]
+
+def build_cpu_adam(isa, build):
+    """build() once per code path and process: a missing compiler or ninja is one error that names the fix, and the
+    module must run the code path it was built for."""
+    if isa not in CPU_ADAM_BUILDS:
         try:
             torch.utils.cpp_extension.verify_ninja_availability()
             if shutil.which(os.environ.get("CXX", "c++")) is None:
                 raise RuntimeError(f"C++ compiler {os.environ.get('CXX', 'c++')!r} not found on PATH")
-            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")) as f:
-                # -ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike.
-                # -fno-math-errno: sqrt without a branch to set errno, so the portable loop can be vectorised.
-                # OpenMP: not with Apple's compiler, which has none (the kernel then runs on one thread).
-                omp = [] if sys.platform == "darwin" else ["-fopenmp"]
-                mod = torch.utils.cpp_extension.load_inline(
-                    name=f"cpu_adam_{isa}", cpp_sources=[f.read()],
-                    functions=["adam_step", "isa", "set_threads", "threads", "touch_28_bytes", "touch_can_stream"],
-                    extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *omp, *ISA_FLAGS[isa]],
-                    extra_ldflags=omp)
         except Exception as e:
             raise RuntimeError("could not build cpu_adam.cpp: install a C++ compiler (apt-get install g++) and ninja "
                                f"(pip install ninja)\n{type(e).__name__}: {e}") from e
+        try:
+            mod = build()
+        except Exception as e:
+            raise RuntimeError(f"could not build cpu_adam.cpp for {isa} with {cpu_adam_cflags(isa)}: the compiler's "
+                               f"errors are above\n{type(e).__name__}: {str(e)[:2000]}") from e
         if mod.isa() != isa:  # the flags did not give the path asked for (a compiler that ignores them?)
             raise RuntimeError(f"cpu_adam: built for {isa} with {ISA_FLAGS[isa]} but compiled the {mod.isa()} path")
-        mod.set_threads(adam_threads()[0])
-        _cpu_adam[isa] = mod
+        CPU_ADAM_BUILDS[isa] = mod
+    return CPU_ADAM_BUILDS[isa]
+
+def adam_threads(spare=0):
+    """(threads per rank, cores, local ranks) for the kernel: this node's cores shared among its local ranks, less
+    `spare` cores left to the rank's own threads. Not OMP_NUM_THREADS, which torchrun sets to 1 when nproc_per_node > 1
+    (one core for each rank's Adam), while without torchrun every rank would take every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // local - spare), cores, local
+
+def set_cpu_adam_threads(mod, spare=0, announce=False):
+    """The kernel runs on adam_threads(spare)[0] threads; announce: print one line saying what it uses."""
+    mod.set_threads(adam_threads(spare)[0])
     if announce:
-        threads, (_, cores, local) = _cpu_adam[isa].threads(), adam_threads()
-        print(f"cpu_adam: {isa} build, {threads} thread{'s' * (threads > 1)} per rank ({cores} core{'s' * (cores > 1)}"
-              f" / {local} local rank{'s' * (local > 1)})", flush=True)
-    return _cpu_adam[isa]
-
-class Copies:
-    """The device-specific part, kept thin: the compute stream (forward, backward, the waits for collectives), a copy
-    stream beside it for device<->host copies, and the events that join the two. A copy's host end must come from
-    host(), pinned with CUDA: a copy to or from pageable memory blocks the host until it is done. Without CUDA the
-    "device" is the CPU and copies are plain. ZERO_SIMULATED_STREAM=1 (the tests, on CPU) makes a copy land only when
-    a wait covers it, reading its source then: a missing wait, or a buffer reused too early, changes the numbers."""
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.host_storages = set()  # what host() allocated: the only host ends a copy may have
-        self.simulated = not self.cuda and os.environ.get("ZERO_SIMULATED_STREAM") == "1"
-        self.queued, self.landed = [], 0  # simulated: the copies not yet landed, in order; how many have landed
-
-    def host(self, numel, dtype):
-        """A zeroed buffer in CPU memory for copies to and from the device, pinned with CUDA (zeros_like of a pinned
-        tensor is not); allocate it once."""
-        t = torch.zeros(numel, dtype=dtype, pin_memory=self.cuda)
-        self.host_storages.add(t.untyped_storage().data_ptr())
-        return t
-
-    def to_host(self, dst, src):
-        """dst.copy_(src) on the copy stream, once the compute stream has produced src; dst comes from host()."""
-        return self._copy(dst, src, dst)
-
-    def to_device(self, dst, src):
-        """dst.copy_(src) on the copy stream, once the compute stream is done with dst; src comes from host()."""
-        return self._copy(dst, src, src)
-
-    def _copy(self, dst, src, host_end):
-        if host_end.untyped_storage().data_ptr() not in self.host_storages:
-            raise RuntimeError("a device-host copy's host end must come from Copies.host(): not pinned, the copy "
-                               "would block the host until done")
-        if self.simulated:
-            self.queued.append((dst, src))
-        elif not self.cuda:
-            dst.copy_(src)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                dst.copy_(src, non_blocking=True)
-            for t in (src, dst):
-                if t.is_cuda:
-                    t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
-        return dst
-
-    def event(self):
-        """An event that fires when every copy queued so far has landed."""
-        if self.simulated:
-            return self.landed + len(self.queued)
-        return self.stream.record_event() if self.cuda else None
-
-    def host_waits(self, event):
-        """The host waits until the event's copies have landed."""
-        if self.simulated:
-            self._land(event)
-        elif event is not None:
-            event.synchronize()
-
-    def compute_waits(self, event):
-        """Work queued on the compute stream from now on waits for the event's copies; the host goes on. (Simulated:
-        they land at once, as the host itself runs the "device" work that follows.)"""
-        if self.simulated:
-            self._land(event)
-        elif event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    def _land(self, event):
-        """Simulated: the copies the event covers land now, in order, reading their sources now."""
-        while event is not None and self.landed < event:
-            dst, src = self.queued.pop(0)
-            dst.copy_(src)
-            self.landed += 1
+        threads, (_, cores, local) = mod.threads(), adam_threads()
+        print(f"cpu_adam: {mod.isa()} build, {threads} thread{'s' * (threads > 1)} per rank ({cores} core"
+              f"{'s' * (cores > 1)} / {local} local rank{'s' * (local > 1)}"
+              + f", {spare} left to the rank's own threads" * bool(spare) + ")", flush=True)
+    return mod

@@ -2,29 +2,23 @@
 instruments.py: the ledgers and meters every stage is measured with, shared so that the stage files read as the
 algorithm: the bytes each collective sends (`comm`), the bytes of the tensors an engine holds, the peak of live
 tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
-a timeline of one step (--timeline DIR, for bench/timeline.py), and a torch.profiler trace of one (--profile DIR).
+a timeline of one step (--timeline DIR, for bench/timeline.py), a torch.profiler trace of one (--profile DIR), the
+validation loss, the progress shown, and the end of a run (finish: the report, the files asked for, the exit).
 """
-import contextlib, gc, json, os, sys, tempfile, time, warnings
+import contextlib, gc, json, math, os, sys, tempfile, time, warnings
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from checkpoint import gather_master
 from devices import everyone
 
 def pinned_bytes(nbytes):
     """What PyTorch's pinned-memory cache (CachingHostAllocator) takes for a pinned allocation of nbytes: rounded up to
     the next power of two (and kept for reuse once freed). Pageable memory is not rounded."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
-
-def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
-    """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
-    one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
-    updated parameters, and with --offload_params the parameter shard. (fp32 master and moments stay pageable.)"""
-    if stage != "offload":
-        return 0
-    return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
 
 class CommLedger:
     """The collectives the stages call, each counting the bytes this rank sends (ring algorithm), and timed when a
@@ -63,7 +57,8 @@ class Timeline:
     it nothing is hooked or wrapped); with it, main() traces the run's last step and each rank writes
     DIR/trace_rank<r>.json, Chrome trace events in microseconds. Everything is attached from outside the engine, so
     the stage files stay as they are:
-    - units as stage 3 defines them: each block of an nn.ModuleList, then the root with the parameters no block owns.
+    - units: the engine's own where it has them (ZeRO-3's buckets, a module each: those it was given, or its default),
+      else each block of an nn.ModuleList, then the root with the parameters no block owns; units train something.
       A unit's forward runs from its forward pre-hooks to its forward hooks; its backward from the gradient reaching
       its output to the gradient of the last of its own parameters. These hooks sit on both sides of the engine's own
       (prepend=True: before them), so what the engine does in its hooks (stage 3 gathering and freeing parameters) is
@@ -78,8 +73,7 @@ class Timeline:
     collective is all wait), in the copies or C++ AdamW row when that thread runs them (on a CPU; on a GPU copies run
     on their own stream), or else as compute.
     On a GPU, times are CUDA events on the stream doing the work (compute, copy, or for a collective's end the stream
-    its future's callback runs on), read after the step; the C++ AdamW is timed on the host clock. (That CUDA path has
-    not run yet: the machines this was written on have no GPU.)"""
+    its future's callback runs on), read after the step; the C++ AdamW is timed on the host clock."""
     ROWS = {"compute": 0, "communication": 100, "copies": 200, "cpu adam": 300}  # trace tids; communication + k: lane k
 
     @classmethod
@@ -94,12 +88,17 @@ class Timeline:
         self.thread, self.here = threading.get_ident(), lambda: threading.get_ident() == self.thread
         self.stack, self.since = [], None  # the compute row now: the top's label (None: not compute), since when
         self.segments, self.calls, self.collectives, self.spans = [], [], [], {"copies": [], "cpu adam": []}
-        units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]  # as stage 3
+        buckets = getattr(engine, "buckets", None)
+        if buckets and all(hasattr(b, "module") for b in buckets):  # the engine's units: each trained parameter's
+            owner = {p: b.module for b in buckets for p in b.params}
+        else:  # each block of a ModuleList, then the root; a parameter belongs to the first unit holding it
+            owner = {}
+            for u in [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst] + [model]:
+                for p in u.parameters():
+                    if p.requires_grad:
+                        owner.setdefault(p, u)
+        units = list(dict.fromkeys(owner.values()))
         self.names = {m: name or "root" for name, m in model.named_modules()}
-        owner = {}
-        for u in units:
-            for p in u.parameters():
-                owner.setdefault(p, u)
         self.n_params, self.left = {u: list(owner.values()).count(u) for u in units}, {}
         for u in units:
             u.register_forward_pre_hook(lambda m, a: self._mark("push"), prepend=True)
@@ -111,9 +110,11 @@ class Timeline:
         engine.step = self._wrap(engine.step, lambda: self._mark("push", "optimizer step"), lambda _: self._mark("pop"))
         copies = getattr(engine, "copies", None)
         stream = getattr(copies, "stream", None) if self.cuda else None
-        for name in ("copy", "to_host", "to_device"):  # offload's device layer, whichever of these it has
-            if hasattr(copies, name):
-                setattr(copies, name, self._wrap(getattr(copies, name), *self._span("copies", name, stream)))
+        if hasattr(copies, "copy"):  # offload's copies between device and host
+            copies.copy = self._wrap(copies.copy, *self._span("copies", "copy", stream))
+        if hasattr(copies, "compute_waits"):  # the compute stream waiting for copies: a wait (drawn so), not compute
+            copies.compute_waits = self._wrap(copies.compute_waits, self.now,
+                                              lambda t0: self.calls.append(("wait copies", t0, self.now())))
         adam = getattr(engine, "adam", None)
         if hasattr(adam, "adam_step"):  # offload's C++ module: wrapped in a copy of its namespace, not in the module
             engine.adam = types.SimpleNamespace(**{k: getattr(adam, k) for k in dir(adam) if not k.startswith("__")})
@@ -354,6 +355,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
         else:
             self.base = live_tensor_bytes(self.device)
             self.quiet = native_stderr_without(("USDT:", "allocated before the profiling started"))
@@ -412,6 +414,18 @@ def memory_table(title, per_rank, peaks, theory, host, sent, sent_theory):
 # ----------------------------------------------------------------------------------------------------------
 # What a run shows: progress, then its summary and the per-rank memory table.
 
+def evaluate(engine, data, args, device):
+    """The validation loss, averaged over --eval_batches batches and over the ranks (outside the comm ledger)."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for k in range(args.eval_batches):
+            x, y = data.batch("val", 10**9 + k, args.batch_size // args.grad_accum, rank, world_size, device)
+            total += engine.forward(x, y).float()
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return total.item() / args.eval_batches
+
 def progress(steps, start, args, rank):
     """A progress bar on a terminal (rank 0); otherwise the steps themselves, and log() prints a line now and then."""
     if rank == 0 and not args.no_progress and sys.stderr.isatty():
@@ -419,10 +433,15 @@ def progress(steps, start, args, rank):
         return tqdm(steps, initial=start, total=args.steps, dynamic_ncols=True)
     return steps
 
-def log(bar, stage, step, end, args, loss, tok_s, peak):
-    if hasattr(bar, "set_postfix"):
+def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak):
+    """Rank 0's word on a step: the bar's figures (closed after the last step), or else a line now and then. tokens:
+    a step's, timed by the last of step_times (a step measured or profiled is not timed)."""
+    tok_s = tokens / (step_times or [math.inf])[-1]
+    if rank == 0 and hasattr(bar, "set_postfix"):
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB")
-    elif not args.no_progress and (step + 1 == end or (step + 1) % max(1, args.steps // 10) == 0):
+        if step + 1 == end:
+            bar.close()
+    elif rank == 0 and not args.no_progress and (step + 1 == end or (step + 1) % max(1, args.steps // 10) == 0):
         print(f"{stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s", flush=True)
 
 def summarize(stage, args, cfg, data, engine, history, measured, step_times, th, start, end, world_size, device):
@@ -454,3 +473,32 @@ def report(summary, th):
     if th["pinned"]:
         print(f"pinned host memory {s['pinned_host_bytes']['measured'] / 2**20:.2f} MiB (theory {th['pinned'] / 2**20:.2f}: "
               f"PyTorch rounds each pinned allocation up to a power of two)")
+
+def finish(summary, th, args, engine, end, ckpt_dir, device, distributed, sample):
+    """The end of a run: the report and the files asked for (rank 0), and every rank's orderly exit. sample(master):
+    the text the GPT writes with the final fp32 weights."""
+    stage, stopped, rank = summary["stage"], end < args.steps, dist.get_rank() if distributed else 0
+    engine.state_pieces()  # the state is final: with --delayed_update the update in flight lands, or raises its error
+    master = gather_master(engine) if args.save_master or (args.sample_chars and not stopped) else None  # collective
+    if rank == 0:
+        report(summary, th)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
+        if args.save_master:
+            torch.save(master, args.save_master)
+        if stopped:
+            print(f"{stage}: stopped after step {end} of {args.steps} (--stop_after)"
+                  + (f"; continue with --resume {ckpt_dir}" if ckpt_dir else ""))
+        elif args.sample_chars:
+            whole = 4 * summary["n_params"]  # sampling builds the whole model in fp32 on one device
+            if device.type == "cuda" and whole > torch.cuda.mem_get_info(device)[0] // 2:
+                print(f"{stage}: no sample: the whole fp32 model ({whole / 2**30:.1f} GiB) would not fit beside the "
+                      f"run on {device}; consolidate a checkpoint and sample it with --sample")
+            else:
+                print(sample(master))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)  # gloo ranks of torch 2.13 sometimes abort (SIGABRT) in their exit-time destructors

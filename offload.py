@@ -1,30 +1,70 @@
 """
-offload.py: ZeRO-Offload (as ZeRO-3 Offload), stage 3 plus one idea: the optimizer lives on the CPU.
+offload.py: ZeRO-Offload, stage 3 plus one idea: the optimizer and its states live in CPU memory.
 
-The fp32 master weights, both Adam moments and the gradient shard move to CPU memory, where a C++ AdamW (cpu_adam.cpp,
-OpenMP + SIMD) updates them. Per rank (ZeRO-Offload paper; ZeRO-Infinity's ZeRO-3 Offload):
-    device: bf16 parameter shard 2Ψ/N (none with --offload_params) + the working set of stage 3
-    host:   bf16 gradient shard 2Ψ/N + fp32 master, Adam m, Adam v 12Ψ/N (+ the parameter shard 2Ψ/N with --offload_params)
-Between ranks it sends what stage 3 sends; over its device-host link a rank moves 2Ψ/N down and 2Ψ/N up per step.
+Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+    device    bf16 parameters 2Ψ/N (none with --offload_params) + the working set of stage 3 (ZeRO-Offload paper)
+    host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ the parameters 2Ψ/N: --offload_params)
+    sent      what stage 3 sends; and over each rank's device-host link, 2Ψ/N down and 2Ψ/N up
 
-How: as stage 3, but each bucket's reduced shard is copied to the host on a copy stream (devices.Copies) under the
-rest of backward (with --grad_accum, summed on the device until the last micro-step). The step waits for those copies
-(an event), takes the global norm on the host and runs the C++ AdamW a bucket's shard at a time, writing the new bf16
-parameters into a pinned staging buffer in the same pass, each chunk's copy up overlapping the next chunk's update.
---delayed_update runs step t's update in a thread while the device computes step t+1 on the weights of update t-1
-(the paper's DPU; a second gradient shard). Without CUDA, streams and events do nothing.
+The idea: each bucket's reduced gradient shard goes down to pinned host memory on a copy stream (Copies) under the rest
+of backward; the step waits for it, and a C++ AdamW (cpu_adam.cpp, built by load_inline) updates it there, the new
+parameters going up bucket by bucket. --offload_params keeps the parameter shard in CPU memory too, up for each gather
+(ZeRO-3 Offload); --delayed_update runs step t's update in a thread during step t+1 (the ZeRO-Offload paper's DPU).
 
-Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
-    torchrun --standalone --nproc_per_node 1 offload.py --preset gpt2-large --offload_params --delayed_update  # 1 GPU
 """
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils.cpp_extension
 
-from train_gpt import Copies, Misuse, clip_coef, comm, load_cpu_adam, main, sum_of_squares, trained
+from train_gpt import (OPENMP, Misuse, build_cpu_adam, clip_coef, comm, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source,
+                       main, set_cpu_adam_threads, sum_of_squares, trained)
+
+
+def load_cpu_adam(isa=None, announce=False, spare=0):
+    """The C++ AdamW, cpu_adam.cpp compiled by torch's load_inline for a code path (devices.py: the best this CPU runs,
+    and its flags) once per process, on this rank's share of the cores less `spare` (a delayed update runs beside)."""
+    isa = cpu_adam_isa(isa)
+    return set_cpu_adam_threads(build_cpu_adam(isa, lambda: torch.utils.cpp_extension.load_inline(
+        f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()], functions=["adam_step", "isa", "set_threads", "threads"],
+        extra_cflags=cpu_adam_cflags(isa), extra_ldflags=OPENMP)), spare, announce)
+
+
+class Copies:
+    """Copies between device and host memory on a copy stream beside the compute stream, joined to it by events, with
+    pinned host buffers (from or to pageable memory a copy blocks the host). Without CUDA, plain copies; no events."""
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def host(self, numel, dtype):  # a zeroed host buffer, pinned with CUDA (zeros_like of a pinned tensor is not)
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.cuda)
+
+    def copy(self, dst, src):  # one end from host(); after the work queued so far on the compute stream
+        if not self.cuda:
+            return dst.copy_(src)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        for t in (src, dst):
+            if t.is_cuda:
+                t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+        return dst
+
+    def event(self):  # fires when every copy queued so far has landed
+        return self.stream.record_event() if self.cuda else None
+
+    def host_waits(self, event):
+        if event is not None:
+            event.synchronize()
+
+    def compute_waits(self, event):  # the work queued on the compute stream from now on waits; the host goes on
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
 
 class Bucket:
@@ -71,9 +111,9 @@ class OffloadEngine:
         self.padded_numel = end
         # [/ZeRO-3]
 
-        # Model states. Each bucket's parameters become views of one flat buffer, full only in use (the rank keeps a shard).
+        # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
         # [ZeRO-3] a unit at a time: made (from the meta device) or copied, broadcast, cut to this rank's shard, freed
-        self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)  # this rank's shard
+        self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
@@ -88,24 +128,31 @@ class OffloadEngine:
         # [/ZeRO-3]
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
-        # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; the C++ AdamW
+        # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; C++ AdamW
         self.copies, self.device = Copies(device), device
-        self.master = self.param_shard.to("cpu", torch.float32, copy=True)
+        self.master = self.param_shard.to("cpu", torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
         self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
-        self.adam, self.adam_step = load_cpu_adam(announce=self.rank == 0), 0
-        self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # this rank's gradient shard
-        self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # updated parameters, on their way up
+        self.adam, self.adam_step = load_cpu_adam(announce=self.rank == 0, spare=int(args.delayed_update)), 0
+        self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # down from the last micro-step
+        self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # the new parameters, on their way up
         # [/Offload]
-        self.in_flight, self.forward_order, self.backward_order = [], [], []
+        # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
+        if args.offload_params:
+            self.param_shard = self.copies.host(self.param_shard.numel(), params[0].dtype).copy_(self.param_shard)
+        # [/ZeRO-3 Offload]
+        # [DPU] --delayed_update: a second gradient shard, read by step t's update (a thread) while step t+1 fills one
+        if args.delayed_update:
+            self.spare_grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
+            self.updater = ThreadPoolExecutor(1)
+        # [/DPU]
+        self.update = self.grads_on_host = None  # a delayed update in flight; the event of the gradients' copies
+        self.in_flight = []
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
+        self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
         # [/ZeRO-3]
-        if args.offload_params:  # the parameter shard in CPU memory too: it travels to the device inside the gather
-            self.param_shard = self.copies.host(self.param_shard.numel(), self.param_shard.dtype).copy_(self.param_shard)
-        self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype) if args.delayed_update else None
-        self.update, self.grads_on_host, self.updater = None, None, ThreadPoolExecutor(1) if args.delayed_update else None
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
@@ -131,11 +178,15 @@ class OffloadEngine:
         """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
         if b.gather is None and b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
-            shard = self.param_shard[self._shard(b)]
-            if self.args.offload_params:  # up from CPU memory on the copy stream; the all-gather waits for it
-                shard = self.copies.to_device(torch.empty_like(shard, device=self.device), shard)
-                self.copies.compute_waits(self.copies.event())
-            b.gather = comm.all_gather(b.param, shard, async_op=True)
+            # [ZeRO-3 Offload] the shard comes up on the copy stream and the all-gather is issued there (NCCL waits for
+            # the current stream): it waits for the copy, and compute only for the gather, at b.gather.wait()
+            if self.args.offload_params:
+                shard = self.copies.copy(torch.empty_like(self._own(b.param)), self.param_shard[self._shard(b)])
+                with torch.cuda.stream(self.copies.stream):  # (no stream, without CUDA: nothing)
+                    b.gather = comm.all_gather(b.param, shard, async_op=True)
+                return
+            # [/ZeRO-3 Offload]
+            b.gather = comm.all_gather(b.param, self.param_shard[self._shard(b)], async_op=True)
 
     def _free(self, b):
         """Free bucket b's full parameters: the storage itself, which autograd's saved views share."""
@@ -173,27 +224,26 @@ class OffloadEngine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
-        if b.waiting == 0:
+        if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
             # [ZeRO-3] the bucket's backward is done: free its full parameters
             self._free(b)
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
-            b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])
+            b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
             # [/ZeRO-2]
 
-    # [Offload] wait for the reduce-scatter; on the last micro-step copy the (summed) shard to the CPU on the copy stream
+    # [Offload] wait for the reduce-scatter; on the last micro-step, copy the summed shard to the CPU on the copy stream
     def _release(self, b):
-        """A bucket is reduced: on the last micro-step its shard (with earlier micro-steps') goes down to the CPU."""
+        """A bucket's reduce-scatter is done: keep its reduced shard, and free the bucket's full gradient."""
         b.work.wait()
-        if b.acc is not None:
-            b.reduced += b.acc
+        b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)  # summed over the micro-steps, on the device
         if self.sync:
-            self.copies.to_host(self.grad_shard[self._shard(b)], b.reduced)
-        b.acc = None if self.sync else b.reduced
+            self.copies.copy(self.grad_shard[self._shard(b)], b.acc)
+            b.acc = None
         b.grad = b.reduced = b.work = None
     # [/Offload]
 
@@ -203,8 +253,8 @@ class OffloadEngine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # whether step may follow: the step's gradient is complete
-        for b in self.buckets:  # every micro-step reduces
+        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
+        for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
         if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
@@ -218,7 +268,7 @@ class OffloadEngine:
         if not self.sync:
             raise RuntimeError(Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
-        # [Offload] wait for the gradients on the CPU; global norm; C++ AdamW there; parameters back (or later, delayed)
+        # [Offload] wait for the gradients on the CPU; the global norm; C++ AdamW there; the new parameters back
         self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets).to(self.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
@@ -227,17 +277,19 @@ class OffloadEngine:
         self.adam_step += 1
         if not self.args.delayed_update:
             self._cpu_update(self.grad_shard, self.adam_step, lr, coef, send=True)
-            self.grad_shard.zero_()
+            self.copies.compute_waits(self.copies.event())  # the next forward gathers the new parameters
             return norm
-        self._finish_update()  # step t-1's update, computed while this step ran, goes to the device now
-        self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard  # t's update runs during t+1:
+        # [/Offload]
+        # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
+        self._finish_update()
+        self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
         self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.adam_step, lr, coef)
         return norm
-    # [/Offload]
+        # [/DPU]
 
     def _cpu_update(self, grad_shard, step, lr, coef, send=False):
         """C++ AdamW over this rank's shard, a bucket's at a time, writing the new parameters into staging in the same
-        pass (whose last copies have landed: the host waited for them, or for gradients queued after them)."""
+        pass (the host has waited for staging's last copies, or for gradients queued after them)."""
         a = self.args
         for b in self.buckets:
             sh = self._shard(b)
@@ -245,42 +297,43 @@ class OffloadEngine:
                                 step, lr, a.beta1, a.beta2, 1e-8, a.weight_decay, coef)  # coef: clipping, in the pass
             if send:
                 self._send(sh)
-        if send:
-            self.copies.compute_waits(self.copies.event())  # the next forward gathers the new parameters
-        else:
-            grad_shard.zero_()
+        grad_shard.zero_()
 
-    def _send(self, sh):
-        """Staging's new parameters [sh] to the parameter shard: up the copy stream, or on the host (--offload_params)."""
+    def _send(self, sh):  # staging's new parameters [sh] up to the parameter shard, on the copy stream
+        # [ZeRO-3 Offload] the parameter shard is in CPU memory: staging's values go there, once no copy reads it
         if self.args.offload_params:
             self.copies.host_waits(self.copies.event())
-            self.param_shard[sh].copy_(self.staging[sh])
-        else:
-            self.copies.to_device(self.param_shard[sh], self.staging[sh])
+            return self.param_shard[sh].copy_(self.staging[sh])
+        # [/ZeRO-3 Offload]
+        self.copies.copy(self.param_shard[sh], self.staging[sh])
 
+    # [DPU] wait for the update in flight and send its parameters up; if it failed, stop with its error, in one line
     def _finish_update(self):
-        """Wait for the update in the background and send its parameters; if it failed, stop with its error here."""
         if self.update is not None:
             update, self.update = self.update, None
             try:
                 update.result()  # an exception raised in the update's thread is raised again here
             except Exception as e:  # one line, and the half-written staging is never sent
-                raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".splitlines()[0]) from None
+                error = f"{type(e).__name__}: {e}".splitlines()[0]
+                raise SystemExit(f"error: --delayed_update's CPU update failed: {error}") from None
             self._send(slice(None))
-            self.copies.host_waits(self.copies.event())  # for the next forward, and before the next update rewrites staging
+            self.copies.host_waits(self.copies.event())  # for the next forward; before the next update writes staging
+    # [/DPU]
 
+    # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
-        """(lo, view): p's averaged gradient's elements [lo, lo + view.numel()) this rank holds, from backward to step."""
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
         self.copies.host_waits(self.copies.event())  # every copy queued so far has landed: the gradient shard's too
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
-        return {"params": [self.param_shard], "grads": [self.grad_shard] + [self.spare_grad_shard] * self.args.delayed_update,
+        spare = [self.spare_grad_shard] if self.args.delayed_update else []  # --delayed_update's second shard
+        return {"params": [self.param_shard], "grads": [self.grad_shard, *spare],
                 "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
 
     def state_pieces(self):
-        """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
+        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
         self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)
         state, pieces = (self.master, self.adam_m, self.adam_v), []
         for name, p in trained(self.model):
@@ -297,7 +350,7 @@ class OffloadEngine:
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
-        """A checkpoint has filled this rank's master shard and moments: count its steps, cast it into its parameters."""
+        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
         self.adam_step = step
         self.param_shard.copy_(self.master)
 

@@ -16,10 +16,10 @@ def parse_args(Engine, presets, config, argv=None):
     for f in fields(config):
         p.add_argument(f"--{f.name}", type=int, default=None, help="override the preset")
     p.add_argument("--data", default=None, help="a UTF-8 text file (default: CPython's pydoc topics)")
-    p.add_argument("--steps", type=int, default=500)  # small: val 1.66 in 5.5 min on 2 cores (300 steps: 2.14)
+    p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch_size", type=int, default=16, help="GLOBAL batch in sequences, over all ranks and micro-steps")
     p.add_argument("--grad_accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)  # 2e-3: val 1.72 after 500 steps of small, 1e-3: 1.66
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min_lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--weight_decay", type=float, default=0.1)

@@ -1,23 +1,16 @@
 """
 stage0_ddp.py: data parallelism by hand, the baseline every ZeRO stage improves on.
 
-Every rank holds every model state, 16Ψ bytes for Ψ parameters (ZeRO paper, section 3):
-    bf16 parameters 2Ψ + bf16 gradients 2Ψ + fp32 master 4Ψ + Adam momentum 4Ψ + Adam variance 4Ψ
-and sends 2Ψ·(N-1)/N elements per step: a ring all-reduce of the gradients (a reduce-scatter, then an
-all-gather). Run it on N = 1, 2, 4 and watch the per-rank memory stay flat: that redundancy is what ZeRO removes.
+Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+    DP        bf16 parameters 2Ψ + bf16 gradients 2Ψ + (fp32 master, Adam m, Adam v) 12Ψ  =  16Ψ
+    sent      all-reduce of the gradients 2Ψ(N-1)/N (a ring all-reduce: a reduce-scatter, then an all-gather)
 
-How: rank 0's initial weights are broadcast. The parameters live in one flat buffer (each nn.Parameter is a view
-of it), and a post-accumulate-grad hook adds each finished gradient into a second flat buffer, cut into buckets of
-about --bucket_mb. A bucket's all-reduce (an average) starts asynchronously the moment its last gradient arrives,
-while backward goes on with earlier layers; backward ends with one wait per bucket. With --grad_accum, only the last
-micro-step communicates (DDP's no_sync): the others just accumulate. Then every rank runs the same fp32 AdamW on the
-same averaged gradient, and casts the result back into the bf16 parameters.
+The idea: every rank holds every model state and averages the gradients while backward runs: a hook adds each
+finished gradient into its bucket (about --bucket_mb), whose all-reduce starts at once when complete (with --grad_accum,
+on the last micro-step only: DDP's no_sync). Every rank then runs the same AdamW; its memory stays flat as N grows.
 
-Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage0_ddp.py --preset tiny --steps 100
-    torchrun --standalone --nproc_per_node 8 stage0_ddp.py --preset gpt2
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage0_ddp.py --preset gpt2
-    python stage0_ddp.py                     # a world of one, through the same code
 """
 import torch
 import torch.distributed as dist
@@ -59,7 +52,7 @@ class DDPEngine:
 
         # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
         for b in self.buckets:
-            b.param = torch.empty(b.end - b.start, dtype=params[0].dtype, device=device)
+            b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
@@ -73,7 +66,7 @@ class DDPEngine:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
-    # [DDP] add p's gradient into its bucket; once the bucket is complete (and sync), start its async all-reduce (average)
+    # [DDP] add p's gradient into its bucket; once it is complete (and sync), start its async all-reduce (an average)
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's all-reduce starts now, under backward."""
         b = self.bucket_of[p]
@@ -93,7 +86,7 @@ class DDPEngine:
 
     # [DDP] run backward (communicating only if sync: no_sync before the last micro-step), then wait for every bucket
     def backward(self, loss, sync):
-        self.sync = sync  # no_sync: micro-steps before the last only accumulate
+        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
@@ -117,17 +110,18 @@ class DDPEngine:
             b.grad.zero_()
         return norm
 
+    # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
-        """(lo, view): p's averaged gradient's elements [lo, lo + view.numel()) this rank holds, from backward to step."""
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
         b = self.bucket_of[p]
         return 0, b.grad[self.offset[p]:self.offset[p] + p.numel()]  # all of it, a view of its bucket
 
     def model_states(self):
-        return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
-                "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
+        return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets],
+                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def state_pieces(self):
-        """The training state this rank holds (all of it, here), as (name, [lo, hi) of its elements, its state's views)."""
+        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece(p)
@@ -140,7 +134,7 @@ class DDPEngine:
         return 0, p.numel(), self.bucket_of[p].start + self.offset[p]  # all of p
 
     def resume(self, step):
-        """A checkpoint has filled the master weights and moments: count its steps, and cast it into the model."""
+        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
         self.optimizer.t = step
         for b in self.buckets:
             b.param.copy_(self.master[b.start:b.end])

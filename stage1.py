@@ -1,23 +1,16 @@
 """
 stage1.py: ZeRO-1, stage 0 plus one idea: each rank keeps the optimizer states of its 1/N shard only.
 
-The fp32 master weights and both Adam moments (K = 12 bytes per parameter) are partitioned (ZeRO paper, P_os):
-    bf16 parameters 2Ψ + bf16 gradients 2Ψ + (fp32 master + Adam m + Adam v) 12Ψ/N  =  4Ψ + 12Ψ/N bytes per rank
-and each step still sends 2Ψ·(N-1)/N elements: a reduce-scatter of the gradients (each rank needs only its shard of
-the sum) and an all-gather of the updated parameters. These are the two halves of stage 0's ring all-reduce, with
-the optimizer step moved in between. (torch's ZeroRedundancyOptimizer on DDP sends 3Ψ: a whole all-reduce, then
-broadcasts.)
+Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+    P_os      bf16 parameters 2Ψ + bf16 gradients 2Ψ + (fp32 master, Adam m, Adam v) 12Ψ/N  =  4Ψ + 12Ψ/N
+    sent      reduce-scatter of the gradients Ψ(N-1)/N + all-gather of the parameters Ψ(N-1)/N  =  2Ψ(N-1)/N
 
-How: as stage 0, but every bucket is padded to a multiple of N and cut into N equal shards: rank r owns shard r of
-every bucket, so a large embedding cannot unbalance the ranks and any parameter count works at any N. A bucket's
-reduce-scatter starts as soon as its last gradient arrives; rank r then updates its own shard with fp32 AdamW, and an
-all-gather of every bucket brings the updated bf16 parameters to all ranks.
+The idea: each bucket is padded to a multiple of N and cut into N equal shards, rank r owning shard r of every bucket
+(no big tensor unbalances the ranks). A complete bucket is reduce-scattered, rank r updates its shard of the average
+with fp32 AdamW, and an all-gather brings the updated shards to every rank: stage 0's all-reduce, split by the step.
 
-Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage1.py --preset tiny --steps 100
-    torchrun --standalone --nproc_per_node 8 stage1.py --preset gpt2
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage1.py --preset gpt2
-    python stage1.py                         # a world of one, through the same code
 """
 import torch
 import torch.distributed as dist
@@ -26,8 +19,8 @@ from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trai
 
 
 class Bucket:
-    """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to a
-    multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
+    """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
+    a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
     def __init__(self, start):
         self.start = self.end = start  # its place in the flat numbering of all parameters
         self.params = []
@@ -111,7 +104,7 @@ class ZeRO1Engine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # no_sync: micro-steps before the last only accumulate
+        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
         if sync:  # the reduced shard of the gradient: a communication buffer, dropped after the step
             self.grad_shard = torch.empty_like(self.master, dtype=self.buckets[0].grad.dtype)
         for b in self.buckets:
@@ -145,17 +138,18 @@ class ZeRO1Engine:
         self.grad_shard = None
         return norm
 
+    # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
-        """(lo, view): p's averaged gradient's elements [lo, lo + view.numel()) this rank holds, from backward to step."""
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
-        return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets], "master": [self.master],
-                "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
+        return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets],
+                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def state_pieces(self):
-        """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
+        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece(p)
@@ -171,7 +165,7 @@ class ZeRO1Engine:
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
-        """A checkpoint has filled this rank's master shard and moments: count its steps, gather it into the model."""
+        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
         self.optimizer.t = step
         for b in self.buckets:
             comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype))

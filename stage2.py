@@ -1,22 +1,16 @@
 """
 stage2.py: ZeRO-2, stage 1 plus one idea: each rank keeps the gradients of its 1/N shard only.
 
-Gradients are partitioned too (ZeRO paper, P_os+g):
-    bf16 parameters 2Ψ + (bf16 gradients 2 + fp32 master, Adam m, Adam v 12)Ψ/N  =  2Ψ + 14Ψ/N bytes per rank,
-plus the gradient buckets in flight (at most two, of --bucket_mb each). Per step it sends Ψ·(N-1)/N elements of
-reduce-scatter per micro-step and one all-gather of Ψ·(N-1)/N: 2Ψ without gradient accumulation, as stage 1.
+Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+    P_os+g    bf16 parameters 2Ψ + bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N  =  2Ψ + 14Ψ/N
+    sent      reduce-scatter of the gradients Ψ(N-1)/N per micro-step + all-gather of the parameters Ψ(N-1)/N
 
-How: as stage 1, but no full gradient survives backward. A bucket's flat gradient buffer is created when its first
-gradient arrives and released as soon as its reduce-scatter is done (when the next bucket starts its own: at most two
-in flight), after its reduced shard has been added into this rank's gradient shard, the only gradient kept. So
-gradient accumulation accumulates into the shard, and every micro-step communicates: --grad_accum A costs A
-reduce-scatters per step, where stage 1 (holding the full gradient) reduces once. That is the price of 2Ψ/N.
+The idea: no full gradient survives backward. A bucket's gradient lives from its first gradient until its
+reduce-scatter is done (two buckets in flight at most); its reduced shard is added into this rank's gradient shard, the
+only one kept. So every micro-step communicates: --grad_accum A costs A reduce-scatters a step, where stage 1 pays one.
 
-Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage2.py --preset tiny --steps 100
-    torchrun --standalone --nproc_per_node 8 stage2.py --preset gpt2
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage2.py --preset gpt2
-    python stage2.py                         # a world of one, through the same code
 """
 import torch
 import torch.distributed as dist
@@ -25,8 +19,8 @@ from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trai
 
 
 class Bucket:
-    """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to a
-    multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
+    """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
+    a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
     def __init__(self, start):
         self.start = self.end = start  # its place in the flat numbering of all parameters
         self.params = []
@@ -71,7 +65,9 @@ class ZeRO2Engine:
         self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
-        self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
+        # this rank's gradient shard (ZeRO-2's 2Ψ/N of gradients): every micro-step's reduce-scatter adds into it
+        # (stage 1's received only the last), so it lives from the first backward to the step: made once, zeroed by step
+        self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)
         self.in_flight = []
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -105,9 +101,9 @@ class ZeRO2Engine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
-        if b.waiting == 0:
+        if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
-            b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])
+            b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
@@ -116,7 +112,7 @@ class ZeRO2Engine:
 
     # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
     def _release(self, b):
-        """Accumulate a reduced bucket into this rank's gradient shard, and free the bucket's full gradient."""
+        """A bucket's reduce-scatter is done: keep its reduced shard, and free the bucket's full gradient."""
         b.work.wait()
         self.grad_shard[self._shard(b)] += b.reduced
         b.grad = b.reduced = b.work = None
@@ -128,8 +124,8 @@ class ZeRO2Engine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # whether step may follow: the step's gradient is complete
-        for b in self.buckets:  # every micro-step reduces: only the shard accumulates
+        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
+        for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
         if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
@@ -158,17 +154,18 @@ class ZeRO2Engine:
         self.grad_shard.zero_()
         return norm
 
+    # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
-        """(lo, view): p's averaged gradient's elements [lo, lo + view.numel()) this rank holds, from backward to step."""
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
-        return {"params": [b.param for b in self.buckets], "grads": [self.grad_shard], "master": [self.master],
-                "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
+        return {"params": [b.param for b in self.buckets], "grads": [self.grad_shard],
+                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def state_pieces(self):
-        """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
+        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece(p)
@@ -184,7 +181,7 @@ class ZeRO2Engine:
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
-        """A checkpoint has filled this rank's master shard and moments: count its steps, gather it into the model."""
+        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
         self.optimizer.t = step
         for b in self.buckets:
             comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype))

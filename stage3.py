@@ -1,31 +1,17 @@
 """
 stage3.py: ZeRO-3, stage 2 plus one idea: each rank keeps the parameters of its 1/N shard only.
 
-Everything is partitioned (ZeRO paper, P_os+g+p):
-    (bf16 parameters 2 + bf16 gradients 2 + fp32 master, Adam m, Adam v 12)Ψ/N  =  16Ψ/N bytes per rank,
-plus the working set: the root's parameters, the block in use and the block being prefetched. Per micro-step it
-sends 3Ψ·(N-1)/N elements: an all-gather of the parameters for forward, another for backward, and a reduce-scatter
-of the gradients; 1.5 times stages 1 and 2, the price of 16Ψ/N.
+Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+    P_os+g+p  bf16 parameters 2Ψ/N + bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N  =  16Ψ/N
+    sent      per micro-step: 2 all-gathers of the parameters (forward, backward) + 1 reduce-scatter  =  3Ψ(N-1)/N
 
-How: as stage 2, but a bucket is now a module's parameters, the unit of gathering: each block of an nn.ModuleList,
-and the root module for the rest (embeddings, final norm, head). A unit must own every parameter its forward uses:
-the head's weight is the token embedding's, used by the root's forward, so it belongs to the root, not to the
-Embedding. Finer units (each Linear) would mean many small collectives; the whole model as one unit would gather
-the whole model, which is what ZeRO-3 exists to avoid. Hooks on each unit gather its full parameters just before
-its forward (and, through a hook on its output, just before its backward), and free them right after: the storage
-is resized to zero, so the memory is really gone though autograd still holds views of it. While a unit computes,
-the next unit's all-gather runs asynchronously (--no_prefetch turns this off, to measure what it buys). When a
-unit's last gradient arrives, its gradients are reduce-scattered as in stage 2, and its full parameters freed. Other
-units than the ModuleLists' children can be passed: ZeRO3Engine(model, args, device, units=[...]). Nor is the model
-ever whole before training: main() builds it on the meta device (shapes, no storage: DeepSpeed's zero.Init, FSDP2's
-meta init do the same), and the engine makes it a unit at a time (the model's init_weight gives the reference's
-values), keeping only its shard.
+The idea: a bucket is a module's parameters, the unit of gathering: each block of an nn.ModuleList (or each module of
+`units=[...]`), the root taking the rest. Hooks gather a unit's parameters just before its forward and its backward,
+prefetching the next unit's, and free them right after (the storage resized to zero): a rank holds a unit or two beyond
+the formula. Nor is the model ever whole: main() builds it on the meta device, and the engine makes it unit by unit.
 
-Run (CPU and gloo without a GPU; NCCL with one rank per GPU):
+Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100
-    torchrun --standalone --nproc_per_node 8 stage3.py --preset gpt2
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage3.py --preset gpt2
-    python stage3.py                         # a world of one, through the same code
 """
 import torch
 import torch.distributed as dist
@@ -75,9 +61,9 @@ class ZeRO3Engine:
         self.padded_numel = end
         # [/ZeRO-3]
 
-        # Model states. Each bucket's parameters become views of one flat buffer, full only in use (the rank keeps a shard).
+        # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
         # [ZeRO-3] a unit at a time: made (from the meta device) or copied, broadcast, cut to this rank's shard, freed
-        self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)  # this rank's shard
+        self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
@@ -93,12 +79,15 @@ class ZeRO3Engine:
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
-        self.master = self.param_shard.to(torch.float32, copy=True)  # fp32 master: this rank's shard (a copy in fp32 too)
+        self.master = self.param_shard.to(torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
-        self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)  # this rank's gradient shard
-        self.in_flight, self.forward_order, self.backward_order = [], [], []
+        # this rank's gradient shard (ZeRO-2's 2Ψ/N of gradients): every micro-step's reduce-scatter adds into it
+        # (stage 1's received only the last), so it lives from the first backward to the step: made once, zeroed by step
+        self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)
+        self.in_flight = []
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
+        self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
@@ -166,12 +155,12 @@ class ZeRO3Engine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
-        if b.waiting == 0:
+        if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
             # [ZeRO-3] the bucket's backward is done: free its full parameters
             self._free(b)
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
-            b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])
+            b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
@@ -180,7 +169,7 @@ class ZeRO3Engine:
 
     # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
     def _release(self, b):
-        """Accumulate a reduced bucket into this rank's gradient shard, and free the bucket's full gradient."""
+        """A bucket's reduce-scatter is done: keep its reduced shard, and free the bucket's full gradient."""
         b.work.wait()
         self.grad_shard[self._shard(b)] += b.reduced
         b.grad = b.reduced = b.work = None
@@ -192,8 +181,8 @@ class ZeRO3Engine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # whether step may follow: the step's gradient is complete
-        for b in self.buckets:  # every micro-step reduces: only the shard accumulates
+        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
+        for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
         if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
@@ -219,17 +208,18 @@ class ZeRO3Engine:
         self.grad_shard.zero_()
         return norm
 
+    # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
-        """(lo, view): p's averaged gradient's elements [lo, lo + view.numel()) this rank holds, from backward to step."""
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
-        return {"params": [self.param_shard], "grads": [self.grad_shard], "master": [self.master],
-                "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
+        return {"params": [self.param_shard], "grads": [self.grad_shard],
+                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def state_pieces(self):
-        """The training state this rank holds (its shard), as (name, [lo, hi) of its elements, its state's views)."""
+        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece(p)
@@ -245,7 +235,7 @@ class ZeRO3Engine:
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
     def resume(self, step):
-        """A checkpoint has filled this rank's master shard and moments: count its steps, cast it into its parameters."""
+        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
         self.optimizer.t = step
         self.param_shard.copy_(self.master)
 

@@ -24,11 +24,12 @@ this one does not.
 import argparse, math, os, sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for path in (ROOT, os.path.join(ROOT, "bench")):  # the formulas; results.py, beside this file
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
-from instruments import pinned_theory  # noqa: E402
-from train_gpt import GPT, GPTConfig, PRESETS, host_categories, model_state_theory  # THE formulas
+from results import add_flag, publish  # noqa: E402
+from train_gpt import GPT, GPTConfig, PRESETS, host_categories, model_state_theory, pinned_theory  # THE formulas
 
 STAGES = ["stage0", "stage1", "stage2", "stage3", "offload"]
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -164,6 +165,7 @@ def main(argv=None):
     p.add_argument("--host_mem", type=float, help="host memory per node, in GB (GiB with --gib): a limit for offload")
     p.add_argument("--gib", action="store_true", help="print GiB (2^30 bytes) instead of GB (1e9, the paper's unit)")
     p.add_argument("--check_paper", action="store_true", help="compare with the ZeRO paper's worked examples and exit")
+    add_flag(p)
     a = p.parse_args(argv)
     unit = "GiB" if a.gib else "GB"
     if a.check_paper:
@@ -194,8 +196,11 @@ def main(argv=None):
     else:
         n_params = preset_params(a.preset, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,
                                  block_size=a.block_size, vocab_size=a.vocab_size)
-    print(report(n_params, world_size, PARAM_BYTES[a.dtype], a.offload_params, gpn, nodes, unit, a.gpu_mem, a.host_mem,
-                 a.delayed_update))
+    text = report(n_params, world_size, PARAM_BYTES[a.dtype], a.offload_params, gpn, nodes, unit, a.gpu_mem, a.host_mem,
+                  a.delayed_update)
+    print(text)
+    if a.results:
+        publish("estimate", text, a.dtype, a.results, argv=None if argv is None else [os.path.abspath(__file__), *argv])
     return 0
 
 

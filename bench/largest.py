@@ -9,11 +9,17 @@ bench/largest.py: the ZeRO papers' headline, measured: the largest GPT each stag
 "Fits" is measured, never computed. For a stage and N, N ranks build a GPT of a fixed width (--n_embd) and a given
 depth exactly as the stage's main() builds it (train_gpt.build_model: stage 3 and offload from the meta device, a
 unit at a time) and train two steps of --micro_batch sequences per rank; the depth fits if on every rank the memory
-held at its peak, over the construction and both steps, stays within --budget_mb. On a GPU the budget is the
-allocator's own limit (torch.cuda.set_per_process_memory_fraction) and running out of memory means "does not fit". On
-a CPU, it is the peak of live tensor bytes (instruments.PeakMemory) above what the rank held before the model was
-built, less offload's host-resident states (train_gpt.host_categories and the staging buffer): the device budget does
-not charge them, as on a GPU it would not.
+held at its peak, over the construction and both steps, stays within --budget_mb. That peak is counted above what the
+rank held before the model was built, after a warm-up (so cuBLAS's workspaces, 8-32 MiB each, are not charged): on a
+GPU the allocator's peak (torch.cuda.max_memory_allocated), run uncapped; on a CPU the peak of live tensor bytes
+(instruments.PeakMemory) less offload's host-resident states (train_gpt.host_categories and the staging buffer), which
+a GPU would not hold either. The ranks agree on each verdict (the worst rank's), so they probe the same depths.
+
+Running out of memory itself decides only at N = 1: with more ranks, one rank's out-of-memory error would leave the
+others in a collective it never joins, and NCCL would hang. So on a GPU at N > 1 a depth whose formula (model states
+and activations) needs more than the GPU has free is refused without running, as is, with offload, a depth whose host
+states need more host memory than the node has available (the kernel's out-of-memory killer, not an exception, is
+what meets that). Each row names the limit its search hit: device memory, host memory, or time (--probe_seconds).
 
 "predicted" is the estimator: the paper's formula for the model states a rank keeps on the device
 (train_gpt.model_state_theory) plus the activations measured (what autograd saves for backward in one forward of the
@@ -35,7 +41,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SCRIPTS = {"stage0": "stage0_ddp.py", "stage1": "stage1.py", "stage2": "stage2.py", "stage3": "stage3.py",
-           "offload": "offload.py"}
+           "offload": "offload.py", "offload_params": "offload.py"}
+FLAGS = {"offload_params": ["--offload_params"]}  # a row's options beyond its file's defaults
 MiB = 2**20
 MAX_LAYERS = 4096
 
@@ -58,12 +65,52 @@ def n_params(cfg):
         return sum(p.numel() for p in GPT(cfg).parameters())
 
 
+def engine_stage(row):
+    """(the stage whose memory model a row follows, whether its parameter shard is in host memory)."""
+    return ("offload", True) if row == "offload_params" else (row, False)
+
+
 def device_states(stage, psi, world_size, param_bytes):
     """The formula's model-state bytes a rank keeps on the device (offload's host categories are not charged)."""
     from train_gpt import host_categories, model_state_theory
+    stage, offload_params = engine_stage(stage)
     padded = psi if stage == "stage0" else -(-psi // world_size) * world_size
     states = model_state_theory(stage, padded, world_size, param_bytes)
-    return sum(v for k, v in states.items() if k not in host_categories(stage))
+    return sum(v for k, v in states.items() if k not in host_categories(stage, offload_params))
+
+
+def host_states(stage, psi, world_size, param_bytes, cuda):
+    """The bytes a rank keeps in host memory by the formula: offload's fp32 master and moments (pageable), its
+    gradient shard, staging buffer and (--offload_params) parameter shard, pinned with CUDA and then rounded up to a
+    power of two by PyTorch's pinned-memory cache (train_gpt.pinned_theory)."""
+    from train_gpt import pinned_theory
+    stage, offload_params = engine_stage(stage)
+    if stage != "offload":
+        return 0
+    padded = -(-psi // world_size) * world_size
+    pinned = (pinned_theory(stage, padded, world_size, param_bytes, offload_params) if cuda
+              else (2 + offload_params) * param_bytes * padded // world_size)
+    return 12 * padded // world_size + pinned
+
+
+def refused(cuda, world_size, host_needs, host_budget, device_needs, device_free):
+    """The limit a depth is refused for without running it (None: probe it): on a GPU, host states beyond the host
+    memory available; at N > 1, a formula beyond 90% of the GPU's free memory (only an out-of-memory error would say
+    more, and on one rank alone it hangs the others). On a CPU the probes are small: none is refused."""
+    if cuda and host_budget is not None and host_needs > host_budget:
+        return "host memory"
+    if cuda and world_size > 1 and device_needs > 0.9 * device_free:
+        return "device memory"
+    return None
+
+
+def host_available():
+    """Host memory available now (MemAvailable), or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -82,10 +129,26 @@ class Prober:
         self.dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
         self.data = CharData(load_text(None), opts.block_size)
         self.budget, self.said = opts.budget_mb * MiB, {}
+        # host memory: what the node has available at the start, shared by its ranks (less a margin for the process
+        # itself); a probe whose formula needs more is refused before it runs, since the kernel's out-of-memory
+        # killer, not an exception, is what running out of host memory meets
+        avail = opts.host_budget_mb * MiB if opts.host_budget_mb else (host_available() or 0) * 0.9 - 4 * 2**30
+        self.host_budget = max(avail, 0) / (1 if opts.host_budget_mb else world_size) if avail else None
         if rank == 0:
             print(f"N={world_size}: {self.dtype_name} ({why})", flush=True)
-        if device.type == "cuda":  # the budget is the allocator's limit: beyond it, torch raises OutOfMemoryError
-            torch.cuda.set_per_process_memory_fraction(self.budget / torch.cuda.get_device_properties(device).total_memory, device)
+        self.device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        self.warm_up()
+
+    def warm_up(self):
+        """One forward and backward of a one-layer GPT of this width: what a first matmul allocates for good (cuBLAS's
+        workspaces) is then held before any probe's baseline."""
+        import torch
+        from train_gpt import GPT
+        model = GPT(self.config(1)).to(self.device, self.dtype)
+        model(*self.data.batch("train", 0, self.opts.micro_batch, 0, 1, self.device)).backward()
+        del model
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def params(self, depth):
         """Ψ at `depth` layers: linear in depth (every block alike), so two GPTs on the meta device give them all."""
@@ -125,7 +188,15 @@ class Prober:
         from options import parse_args
         from train_gpt import GPTConfig, PRESETS, build_model, host_categories, train_step
         args = parse_args(Engine, PRESETS, GPTConfig, ["--dtype", self.dtype_name, "--steps", "2", "--warmup", "1",
-                                                       "--batch_size", str(self.opts.micro_batch * self.world_size)])
+                                                       "--batch_size", str(self.opts.micro_batch * self.world_size),
+                                                       *FLAGS.get(stage, [])])
+        base_stage, offload_params = engine_stage(stage)
+        param_bytes, cuda = 4 if self.dtype_name == "fp32" else 2, self.device.type == "cuda"
+        limit = refused(cuda, self.world_size, host_states(stage, self.params(depth), self.world_size, param_bytes, cuda),
+                        self.host_budget, device_states(stage, self.params(depth), self.world_size, param_bytes)
+                        + self.activations(depth), self.device_free)
+        if limit:  # every rank computes the same verdict from the formula: no collective needed
+            return False, 0, limit
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -142,47 +213,57 @@ class Prober:
                     train_step(engine, self.data, args, step, self.device)
                 if self.device.type == "cpu":  # offload's host-resident states: host memory, not the device's
                     states = engine.model_states()
-                    host = storage_bytes([t for k in host_categories(stage) for t in states[k]]
-                                         + [getattr(engine, "staging", None)] * (stage == "offload"))
+                    host = storage_bytes([t for k in host_categories(base_stage, offload_params) for t in states[k]]
+                                         + [getattr(engine, "staging", None)] * (base_stage == "offload"))
         except torch.OutOfMemoryError:
             out_of_memory = True
         del model, engine
-        charged = meter.peak if self.device.type == "cuda" else meter.peak - meter.base - host
+        gc.collect()
+        if self.device.type == "cuda":  # give back the pinned-memory cache too, which keeps freed blocks for reuse
+            torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+        charged = meter.peak - meter.base - host
         # every rank must take the same decisions (the next depth to probe), or their collectives would not match: the
         # verdict and the bytes are the worst rank's
         worst = torch.tensor([charged, int(out_of_memory)], dtype=torch.float64, device=self.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         charged, out_of_memory = int(worst[0]), bool(worst[1])
-        return not out_of_memory and charged <= self.budget, charged
+        fits = not out_of_memory and charged <= self.budget
+        return fits, charged, None if fits else "device memory"
 
     def search(self, stage):
         """The largest depth that fits, and the estimator's: a row of the table."""
         Engine = load_engine(stage)
         param_bytes = 4 if self.dtype_name == "fp32" else 2
-        seen = {}
+        seen, limits = {}, {}
+        cuda = self.device.type == "cuda"
 
         def fits(depth):
             if depth not in seen:
                 t0 = time.perf_counter()
-                seen[depth] = self.probe(Engine, stage, depth)
+                ok, charged, limit = self.probe(Engine, stage, depth)
+                seconds = time.perf_counter() - t0
+                if ok and self.opts.probe_seconds and seconds > self.opts.probe_seconds:
+                    limits["time"] = depth  # it fits, but deeper probes would take longer still: the search stops here
+                seen[depth] = ok, charged, limit
                 if self.rank == 0:
-                    ok, charged = seen[depth]
+                    verdict = "fits" if ok else f"does not fit ({limit}" + (": refused before running" * (not charged)) + ")"
                     print(f"  {stage} N={self.world_size}: {depth:4d} layers ({self.params(depth) / 1e6:7.2f}M) "
-                          f"{charged / MiB:7.1f} MiB {'fits' if ok else 'does not fit'} ({time.perf_counter() - t0:.1f} s)",
-                          flush=True)
+                          f"{charged / MiB:9.1f} MiB {verdict} ({seconds:.1f} s)", flush=True)
             return seen[depth][0]
 
         # the estimator: the formula's model states on the device + the activations measured, for each depth
         predicted = 0
         while predicted < MAX_LAYERS and device_states(stage, self.params(predicted + 1), self.world_size, param_bytes) \
-                + self.activations(predicted + 1) <= self.budget:
+                + self.activations(predicted + 1) <= self.budget and (not cuda or self.host_budget is None or host_states(
+                    stage, self.params(predicted + 1), self.world_size, param_bytes, cuda) <= self.host_budget):
             predicted += 1
         # the measurement: from the prediction, out in doubling steps to a depth on each side, then bisect
         lo, hi = 0, None  # the largest depth known to fit; the smallest known not to
         start, step = max(predicted, 1), 1
         if fits(start):
             lo = start
-            while hi is None and lo < MAX_LAYERS:
+            while hi is None and lo < MAX_LAYERS and "time" not in limits:
                 d = min(lo + step, MAX_LAYERS)
                 lo, hi = (d, hi) if fits(d) else (lo, d)
                 step *= 2
@@ -192,7 +273,10 @@ class Prober:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         peak = seen[lo][1] if lo else None
-        return dict(stage=stage, world_size=self.world_size, largest_params=self.params(lo) if lo else 0,
+        # what stopped it: the first depth beyond the largest that did not fit, or the time a probe took
+        limit = seen[hi][2] if hi in seen else "time" if "time" in limits else f"{MAX_LAYERS} layers"
+        return dict(stage=stage, world_size=self.world_size, largest_params=self.params(lo) if lo else 0, limit=limit,
+                    host_gib=round(host_states(stage, self.params(lo), self.world_size, param_bytes, cuda) / 2**30, 2),
                     predicted_params=self.params(predicted) if predicted else 0, largest_layers=lo,
                     predicted_layers=predicted, peak_mib=peak and round(peak / MiB, 2),
                     states_mib=round(device_states(stage, self.params(lo), self.world_size, param_bytes) / MiB, 2)
@@ -238,13 +322,13 @@ def render_table(result):
     lines = [f"largest GPT that trains within {o['budget_mb']} MiB per rank ({result['dtype']}, {o['n_embd']} wide, "
              f"{o['micro_batch']} x {o['block_size']} tokens per rank; {result['machine']})", "",
              "| stage | N | largest: layers | Ψ | peak MiB | model states (formula) MiB | × stage 0 at N "
-             "| predicted: layers | Ψ |", "|---|---|---|---|---|---|---|---|---|"]
+             "| predicted: layers | Ψ | limit |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['largest_params'] / base[r['world_size']]:.2f}" if base.get(r["world_size"]) else "—"
         lines.append(f"| {r['stage']} | {r['world_size']} | {r['largest_layers']} | {r['largest_params'] / 1e6:.2f}M | "
                      f"{r['peak_mib'] if r['peak_mib'] is not None else '—'} | "
                      f"{r['states_mib'] if r['states_mib'] is not None else '—'} | {ratio} | {r['predicted_layers']} | "
-                     f"{r['predicted_params'] / 1e6:.2f}M |")
+                     f"{r['predicted_params'] / 1e6:.2f}M | {r.get('limit', '—')} |")
     return "\n".join(lines)
 
 
@@ -260,6 +344,9 @@ def headline(rows):
     if get.get(("offload", 1)) and get.get(("stage0", 1)):
         out.append(f"offload at N=1 trains {get['offload', 1] / get['stage0', 1]:.2f}x the parameters of stage 0 at N=1 "
                    f"(the model states on the device alone: {whole}Ψ against {param}Ψ, {whole / param:.0f}x)")
+    if get.get(("offload_params", 1)) and get.get(("stage0", 1)):
+        out.append(f"offload --offload_params at N=1 trains {get['offload_params', 1] / get['stage0', 1]:.2f}x the "
+                   f"parameters of stage 0 at N=1 (no model state on the device, only the working set)")
     return out
 
 
@@ -276,7 +363,7 @@ def draw(result, path):
     rows, o = result["rows"], result["options"]
     stages = [s for s in SCRIPTS if any(r["stage"] == s for r in rows)]
     ns = sorted({r["world_size"] for r in rows})
-    colors = dict(zip(SCRIPTS, ["#8C8C8C", "#4C72B0", "#DD8452", "#55A868", "#C44E52"]))
+    colors = dict(zip(SCRIPTS, ["#8C8C8C", "#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]))
     fig, ax = plt.subplots(figsize=(8.5, 5.2))
     width = 0.8 / len(stages)
     for si, stage in enumerate(stages):
@@ -327,7 +414,8 @@ def main(argv=None):
                                 epilog="\n".join(__doc__.strip().split("\n")[2:]))
     p.add_argument("--budget_mb", type=float, default=None, help="memory per rank (default 64; 24 with --quick)")
     p.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--stages", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
+    p.add_argument("--stages", nargs="+", default=[s for s in SCRIPTS if s not in FLAGS], choices=list(SCRIPTS),
+                   help="default: every stage file with its defaults (offload_params: offload.py --offload_params)")
     p.add_argument("--n_embd", type=int, default=None, help="the width, fixed (default 256; 128 with --quick)")
     p.add_argument("--n_head", type=int, default=4)
     p.add_argument("--block_size", type=int, default=64)
@@ -335,6 +423,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: train_gpt's choice")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="a small budget and width: under 3 minutes on 2 cores")
+    p.add_argument("--host_budget_mb", type=float, default=None, help="host memory per rank for offload's states "
+                   "(with CUDA; default: 90%% of what the node has available, less 4 GiB, shared by its ranks)")
+    p.add_argument("--probe_seconds", type=float, default=None, help="stop searching deeper once a probe that fits "
+                   "takes longer than this (the row's limit is then time)")
     p.add_argument("--out_dir", default=str(ROOT / "runs" / "largest"))
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the rows here")
     p.add_argument("--from_json", default=None, help="redraw from a largest.json written before; run nothing")

@@ -28,7 +28,7 @@ masters (it broadcasts them after each step, in fp32): its model states are 8Ψ 
 FSDP2 keeps fp32 sharded parameters (the masters) and fp32 sharded gradients; its bf16 working copies exist only
 between its all-gathers and reshards, so "params" is reported empty at the measured point.
 """
-import argparse, inspect, json, os, statistics, subprocess, sys, time
+import argparse, inspect, json, math, os, statistics, subprocess, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 import instruments
 import train_gpt
-from train_gpt import clip_coef, main
+from results import add_flag as results_flag, publish
+from train_gpt import clip_coef, main, trained
 
 
 def _broadcast_from_rank0(model):
@@ -88,6 +89,12 @@ class FlatAdamW:
         return ([st["exp_avg"]], [st["exp_avg_sq"]]) if st else ([], [])
 
 
+def pieces(model, ranges, views):
+    """(name, lo, hi, [master, m, v]) of each trained parameter, from its element range and its three views."""
+    return [(name, lo, hi, [vs[i].view(-1) for vs in views])
+            for i, ((name, _), (lo, hi)) in enumerate(zip(trained(model), ranges))]
+
+
 class DDPPeer:
     """torch DDP (bf16 model, default 25 MB buckets), then stage 0's step: one flat fp32 master, stage 0's AdamW."""
 
@@ -132,6 +139,16 @@ class DDPPeer:
         return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None],
                 "master": [self.master], "adam_m": m, "adam_v": v}
 
+    def state_pieces(self):
+        """Every parameter whole, as stage 0 holds it: views of the flat master and moments (zeros before a step)."""
+        m, v = self.optimizer.moments()
+        m, v = (m[0], v[0]) if m else (torch.zeros_like(self.master), torch.zeros_like(self.master))
+        return pieces(self.model, [(0, p.numel()) for p in self.params], [self.views, list(torch.split(m, [p.numel() for p in self.params])),
+                      list(torch.split(v, [p.numel() for p in self.params]))])
+
+    def resume(self, step):
+        raise SystemExit("error: the torch peers take no checkpoints (--resume); run our stages for that")
+
 
 class ZeroRedundancyPeer(DDPPeer):
     """DDP (bf16) + ZeroRedundancyOptimizer(AdamW) over fp32 master copies of each parameter; global-norm clipping on
@@ -171,6 +188,18 @@ class ZeroRedundancyPeer(DDPPeer):
         st = [self.optimizer.optim.state[m] for _, m in self.owned if m in self.optimizer.optim.state]
         return {"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None],
                 "master": self.master_views, "adam_m": [s["exp_avg"] for s in st], "adam_v": [s["exp_avg_sq"] for s in st]}
+
+    def state_pieces(self):
+        """The parameters whose optimizer state this rank owns, whole (every rank holds every master, but only these
+        masters' moments)."""
+        owned = {id(m) for _, m in self.owned}
+        out = []
+        for (name, p), m in zip(trained(self.model), self.master_views):
+            if id(m) in owned:
+                st = self.optimizer.optim.state.get(m, {})
+                out.append((name, 0, p.numel(), [m.view(-1)] + [st[k].view(-1) if k in st else torch.zeros(p.numel())
+                                                                 for k in ("exp_avg", "exp_avg_sq")]))
+        return out
 
 
 class FSDP2Peer:
@@ -224,6 +253,20 @@ class FSDP2Peer:
         return {"params": [], "grads": [p.grad.to_local() for p in self.params if p.grad is not None],
                 "master": [p.to_local() for p in self.params],
                 "adam_m": [s["exp_avg"].to_local() for s in st], "adam_v": [s["exp_avg_sq"].to_local() for s in st]}
+
+    def state_pieces(self):
+        """This rank's shard of each parameter: FSDP2 splits dim 0 as torch.chunk does, so rank r holds rows
+        [r * ceil(rows / N), ...) and, flattened, one contiguous range of elements."""
+        rank, n = dist.get_rank(), dist.get_world_size()
+        out = []
+        for name, p in trained(self.model):
+            local = p.to_local()
+            row = math.prod(p.shape[1:]) if p.dim() else 1
+            lo = min(rank * -(-p.shape[0] // n), p.shape[0]) * row if p.dim() else 0
+            st = self.optimizer.state.get(p, {})
+            moments = [st[k].to_local().reshape(-1) if k in st else torch.zeros(local.numel()) for k in ("exp_avg", "exp_avg_sq")]
+            out.append((name, lo, lo + local.numel(), [local.reshape(-1)] + moments))
+        return out
 
 
 class FSDP2ReshardPeer(FSDP2Peer):
@@ -280,13 +323,14 @@ def launcher():
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3, help="min_lr is a tenth of it (2e-3: what README's tables used)")
+    p.add_argument("--lr", type=float, default=2e-3, help="the peak learning rate; min_lr is a tenth of it")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of {','.join(PAIRS)}")
     p.add_argument("--outdir", default=os.path.join(ROOT, "runs", "peers"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--report_only", action="store_true", help="no runs: print the table from the JSON files in --outdir")
+    results_flag(p)
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -312,7 +356,7 @@ def launcher():
                 if os.path.exists(path):
                     with open(path) as f:
                         found.append(json.load(f))
-        return report(pairs, results)
+        return publish_table(args, pairs, results)
     for r in range(args.rounds):
         for s in pairs:
             ours, peer, _, _, _ = PAIRS[s]
@@ -332,19 +376,28 @@ def launcher():
     if changed:
         print(f"WARNING: edited during the benchmark: {', '.join(changed)}: rounds may mix versions")
     print()
+    return publish_table(args, pairs, results)
 
-    report(pairs, results)
+
+def publish_table(args, pairs, results):
+    """Print the table; with --results, write it (bench/results/peers.md), headed by the machine, torch, dtype, command."""
+    text = report(pairs, results)
+    if args.results:
+        dtypes = sorted({x["dtype"] for runs in results.values() for x in runs}) or ["no run finished"]
+        publish("peers", text, "/".join(dtypes), args.results)
+    if any(not runs for runs in results.values()):
+        raise SystemExit("error: a run failed (its row says which; the log is in --outdir)")
 
 
 def report(pairs, results):
     """The Markdown table. Besides the ratio of the medians, the median of the per-round (paired) ratios: each round's
     two runs are neighbours in time, so on a shared, noisy machine that pairing cancels slow drifts in load."""
-    print(f"| pair | ours tokens/s | peer tokens/s | ours/peer | ratio by round (median) | final loss ours | final loss peer |")
-    print("|---|---:|---:|---:|---|---:|---:|")
+    lines = ["| pair | ours tokens/s | peer tokens/s | ours/peer | ratio by round (median) | final loss ours | final loss peer |",
+             "|---|---:|---:|---:|---|---:|---:|"]
     for s in pairs:
         ours, peer = results[s, "ours"], results[s, "peer"]
         if not ours or not peer:
-            print(f"| {PAIRS[s][4]} | {'failed' if not ours else ''} | {'failed' if not peer else ''} | | | | |")
+            lines.append(f"| {PAIRS[s][4]} | {'failed' if not ours else ''} | {'failed' if not peer else ''} | | | | |")
             continue
         o = statistics.median(x["tokens_per_s"] for x in ours)
         q = statistics.median(x["tokens_per_s"] for x in peer)
@@ -352,9 +405,12 @@ def report(pairs, results):
         by_round = ", ".join(f"{x:.2f}" for x in ratios) + f" ({statistics.median(ratios):.2f})"
         lo = "/".join(sorted({f"{x['losses'][-1]:.4f}" for x in ours}))
         lq = "/".join(sorted({f"{x['losses'][-1]:.4f}" for x in peer}))
-        print(f"| {PAIRS[s][4]} | {o:,.0f} | {q:,.0f} | {o / q:.3f} | {by_round} | {lo} | {lq} |")
-    print(f"\nmedian over rounds of each run's median step; final loss = last step's training loss (all rounds' values, "
-          f"deduplicated). Target: ours/peer >= 0.95.")
+        lines.append(f"| {PAIRS[s][4]} | {o:,.0f} | {q:,.0f} | {o / q:.3f} | {by_round} | {lo} | {lq} |")
+    lines += ["", "median over rounds of each run's median step; final loss = last step's training loss (all rounds' "
+              "values, deduplicated). Target: ours/peer >= 0.95."]
+    text = "\n".join(lines)
+    print(text)
+    return text
 
 
 def _storage_bytes_of_subclasses(tensors):
@@ -380,6 +436,8 @@ def worker():
     if name not in PEERS:
         raise SystemExit(f"error: --peer {name}: choose from {', '.join(PEERS)}")
     del sys.argv[i:i + 2]  # main parses the rest
+    if {"--ckpt_dir", "--resume", "--save_every"} & set(sys.argv):
+        raise SystemExit("error: the torch peers take no checkpoints (--ckpt_dir, --resume): run our stages for that")
     engine, formula = PEERS[name]
     main(engine, stage=f"{name}_torch", formula=formula)
 

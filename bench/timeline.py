@@ -15,9 +15,10 @@ records the run's last step on every rank, and then writes
     DIR/trace.json     the ranks' traces merged, in the Chrome trace format (open it in https://ui.perfetto.dev or
                        chrome://tracing): a process per rank, rows compute, communication (a lane per collective in
                        flight at once), copies and cpu adam. Compute is "forward <unit>", "backward <unit>" and
-                       "optimizer step", the units as stage 3 defines them (each block, and the root); "issue <op>" and
-                       "wait <op>" are the computing thread inside a collective's call (instruments.Timeline says how
-                       each moment is measured). Times are microseconds from the start of the earliest rank's step.
+                       "optimizer step", the units the engine's own (stage 3's buckets), or else each block and the
+                       root; "issue <op>" and "wait <op>" are the computing thread inside a collective's call
+                       (instruments.Timeline says how each moment is measured). Times are microseconds from the start
+                       of the earliest rank's step.
     DIR/timeline.png   the same picture: a band per rank (the ranks of one machine share its clock)
     DIR/run.json       the run's summary (train_gpt --out), with its tokens per second
 and prints, per rank and over all ranks, the overlap fraction of communication (and of copies and the C++ AdamW):
@@ -33,8 +34,10 @@ computed from DIR/trace.json alone.
 On a CPU, gloo's collectives run on background threads, so the overlap is real, but N ranks share this machine's
 cores: compare tokens per second between runs of one session, as ratios.
 """
-import argparse, json, os, subprocess, sys, time
+import argparse, json, os, shutil, subprocess, sys, time
 from pathlib import Path
+
+from results import add_flag, publish
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ["compute", "communication", "copies", "cpu adam"]
@@ -177,6 +180,7 @@ def main():
     p.add_argument("--nproc", type=int, default=2, help="ranks")
     p.add_argument("--out", required=True, metavar="DIR", help="where trace.json, timeline.png and run.json go")
     p.add_argument("--from_dir", action="store_true", help="no run: merge, print and draw the traces already in DIR")
+    add_flag(p)
     args, stage_args = p.parse_known_args()
     steps = [int(v) for k, v in zip(stage_args, stage_args[1:]) if k == "--steps"]
     if steps and steps[-1] < 3:
@@ -192,10 +196,11 @@ def main():
     (out_dir / "trace.json").write_text(json.dumps(trace))
     summary = json.loads((out_dir / "run.json").read_text())
     command = (out_dir / "run.log").read_text().split("\n", 1)[0].split()  # as run() wrote it (also for --from_dir):
-    given = " ".join(command[6 + len(DEFAULTS):-2]) or "defaults"  # python -m torchrun-module --standalone N script ...
+    given = " ".join(command[6 + len(DEFAULTS):-4]) or "defaults"  # python -m torchrun-module --standalone N script ...
     head = (f"{summary['stage']} ({given}), {summary['world_size']} rank(s), {summary['dtype']} on {summary['device']}: "
             f"{summary['tokens_per_s']:,.0f} tokens/s (median step of the run); its last step traced")
     print(head)
+    report = [head, ""]
     result = overlaps(trace)
     xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     for r, (a, b) in enumerate(trace["otherData"]["window_us"]):
@@ -203,16 +208,23 @@ def main():
               for kind in ("forward", "backward", "optimizer", "issue", "wait")}
         parts = [f"{row} {t / 1e3:.1f} ms{' in flight' * (row == 'communication')}, {fraction(o, t):.1%} of it under "
                  f"compute" for row, per in result.items() for o, t in [per[r]]]
-        print(f"  rank {r}: step {(b - a) / 1e3:.1f} ms: forward {ms['forward']:.1f}, backward {ms['backward']:.1f}, "
-              f"optimizer step {ms['optimizer']:.1f}, issuing collectives {ms['issue']:.1f}, waiting for them "
-              f"{ms['wait']:.1f}; " + "; ".join(parts))
+        report.append(f"- rank {r}: step {(b - a) / 1e3:.1f} ms: forward {ms['forward']:.1f}, backward "
+                      f"{ms['backward']:.1f}, optimizer step {ms['optimizer']:.1f}, issuing collectives {ms['issue']:.1f}, "
+                      f"waiting for them {ms['wait']:.1f}; " + "; ".join(parts))
+        print("  " + report[-1][2:])
     lines = []
     for row, per in result.items():
         o, t = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())
         lines.append(f"{row} overlapped by compute: {fraction(o, t):.1%}")
         print(lines[-1] + f" (all ranks; {t / 1e3:.1f} ms)")
+        report.append(f"- {lines[-1]} (all ranks; {t / 1e3:.1f} ms)")
     plot(trace, out_dir / "timeline.png", head + "\n" + "; ".join(lines))
     print(f"wrote {out_dir / 'trace.json'} (open in https://ui.perfetto.dev) and {out_dir / 'timeline.png'}")
+    if args.results:  # the report, the picture and the trace, named after DIR: bench/results/timeline/<DIR's name>.*
+        name = f"timeline/{out_dir.name}"
+        path = publish(name, "\n".join(report), summary["dtype"], args.results)
+        shutil.copyfile(out_dir / "timeline.png", path.with_suffix(".png"))
+        shutil.copyfile(out_dir / "trace.json", path.with_suffix(".trace.json"))
 
 
 if __name__ == "__main__":

@@ -18,14 +18,22 @@ import re
 import sys
 from pathlib import Path
 
-TAGS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Offload"]  # in the order the stages introduce them
-BEGIN = re.compile(r"^(?P<indent>\s*)# \[(?P<tag>[\w-]+)\] (?P<todo>.+)$")
-END = re.compile(r"^\s*# \[/(?P<tag>[\w-]+)\]\s*$")
+# the ideas, in the order the stages introduce them; then offload.py's options, each an idea of its own: the parameter
+# shard in CPU memory (ZeRO-Infinity's ZeRO-3 Offload) and the delayed parameter update (the ZeRO-Offload paper's DPU)
+TAGS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Offload", "ZeRO-3 Offload", "DPU"]
+OPTIONS = ["ZeRO-3 Offload", "DPU"]  # never a file's default: its newest idea is the stage's own
+BEGIN = re.compile(r"^(?P<indent>\s*)# \[(?P<tag>[\w-]+(?: [\w-]+)*)\] (?P<todo>.+)$")
+END = re.compile(r"^\s*# \[/(?P<tag>[\w-]+(?: [\w-]+)*)\]\s*$")
 
 
 def tags_in(source):
     found = {m.group("tag") for line in source.splitlines() if (m := BEGIN.match(line))}
     return [t for t in TAGS if t in found]
+
+
+def newest_idea(source):
+    """The idea a file adds to the ladder (its newest tag, options aside): what its exercise blanks by default."""
+    return [t for t in tags_in(source) if t not in OPTIONS][-1:]
 
 
 def signature_and_docstring(body, k):
@@ -88,7 +96,7 @@ def main(argv=None):
     present = tags_in(source)
     if not present:
         raise SystemExit(f"error: {path} marks no idea with `# [TAG] ...` / `# [/TAG]`; tags are {', '.join(TAGS)}")
-    tags = args.tag or present[-1:]
+    tags = args.tag or newest_idea(source)
     missing = [t for t in tags if t not in present]
     if missing:
         raise SystemExit(f"error: {path} has no region tagged {', '.join(missing)}; it has {', '.join(present)}")

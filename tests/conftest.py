@@ -1,6 +1,6 @@
 """Shared machinery for the tests: run a stage on N ranks (CPU, gloo), once per configuration, and read what it
 wrote. `pytest tests --stage path/to/my_stage2.py` runs the stage checks against any file that implements a stage.
-Ranks are started the way torchrun starts them on one node, without torchrun's agent process (1.5 s a run here);
+Ranks are started the way torchrun starts them on one node, without torchrun's agent process (which costs a start-up per run);
 `pytest tests --torchrun` starts every run under torchrun itself. The tests of killed ranks always use torchrun.
 The runs see no GPU (CUDA_VISIBLE_DEVICES=""), so the suite checks the CPU path alike on any machine; `pytest tests
 --gpu` adds tests/test_gpu.py, which runs on the GPUs (gpu_runner)."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import test_stages
 from conftest import ROOT, last_lines
 from devices import free_port
+from test_offload import SIMULATED
 from options import parse_args as parse_options
 from train_gpt import PRESETS, GPTConfig, Misuse, SingleDeviceEngine
 
@@ -50,7 +51,7 @@ def test_any_model_matches_the_reference(runner, stage_file, nproc):
 def test_offload_grad_waits_for_the_gradient_copies(runner):
     """On the simulated stream a device-host copy lands only when a wait covers it (tests/test_offload.py): without
     its wait, offload's grad() would read a gradient shard of zeros."""
-    p = run_example(runner, str(ROOT / "offload.py"), 2, env={"ZERO_SIMULATED_STREAM": "1"})
+    p = run_example(runner, str(ROOT / "offload.py"), 2, env=SIMULATED)
     assert p.returncode == 0, "\n".join(last_lines(p.stdout + p.stderr, 15))
 
 

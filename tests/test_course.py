@@ -6,7 +6,7 @@ import sys
 from conftest import ROOT, STAGES
 
 sys.path.insert(0, str(ROOT / "course"))
-from make_exercise import make_exercise, tags_in  # noqa: E402
+from make_exercise import OPTIONS, make_exercise, newest_idea, tags_in  # noqa: E402
 
 
 def grade(paths, tmp_path, select):
@@ -23,7 +23,7 @@ def test_exercises_import_and_fail_with_their_todo(tmp_path):
     exercises, tags = [], {}
     for stage in STAGES:
         source = (ROOT / stage).read_text()
-        tag = tags_in(source)[-1]
+        tag = newest_idea(source)[0]
         exercise = tmp_path / "exercises" / stage
         exercise.parent.mkdir(exist_ok=True)
         exercise.write_text(make_exercise(source, [tag]))
@@ -37,6 +37,20 @@ def test_exercises_import_and_fail_with_their_todo(tmp_path):
         assert f"test_model_state_bytes_match_formula[{stem}-2]" in out, f"{stem} was not graded:\n{out[-3000:]}"
         assert f"NotImplementedError: TODO [{tag}]" in out, f"the {stem} failure does not name its TODO:\n{out[-3000:]}"
     assert "passed" not in out.splitlines()[-1], f"an exercise passed a check:\n{out[-3000:]}"
+
+
+def test_each_marker_blanks_on_its_own():
+    """offload.py's options, the parameter shard in CPU memory and the delayed update, are ideas of their own: each
+    one's exercise blanks its own regions and leaves every other idea's as they are. (An idea's exercise may take an
+    option's region that lies inside its own: ZeRO-3's gather holds the parameter shard's way up.)"""
+    source = (ROOT / "offload.py").read_text()
+    assert set(OPTIONS) <= set(tags_in(source)) and newest_idea(source) == ["Offload"]
+    for tag in tags_in(source):
+        exercise = make_exercise(source, [tag])
+        compile(exercise, f"offload_{tag}.py", "exec")
+        assert f"# [{tag}]" not in exercise and f"TODO [{tag}]" in exercise, tag
+        for other in set(tags_in(source)) - {tag} - (set() if tag in OPTIONS else set(OPTIONS)):
+            assert exercise.count(f"# [{other}]") == source.count(f"# [{other}]"), f"blanking {tag} touched {other}"
 
 
 def broken(tmp_path, stage, old, new):

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import devices
-from devices import adam_threads, cpu_adam_isas, load_cpu_adam
+from devices import adam_threads, cpu_adam_isas
+from offload import load_cpu_adam
 from train_gpt import clip_coef
 
 BETAS, EPS = (0.9, 0.999), 1e-8
@@ -33,7 +34,7 @@ RUNNABLE = cpu_adam_isas()
 
 @pytest.fixture(scope="module", params=list(devices.ISA_FLAGS))
 def kernel(request):
-    """Each code path of the kernel, built for it (~25 s a path the first time, cached after); the paths this CPU
+    """Each code path of the kernel, built for it (a compile per path the first time, cached after); the paths this CPU
     cannot run are skipped."""
     if request.param not in RUNNABLE:
         pytest.skip(f"this CPU cannot run the {request.param} path (torch's CPU capability: "
@@ -327,6 +328,21 @@ def test_each_path_is_its_own_build(kernel):
     assert (registers.get(isa, "ymm") in asm) == (isa != "scalar")  # its own vector registers, if any
     if isa != "avx512":
         assert "zmm" not in asm  # no AVX-512 instruction: it runs on an AVX2-only CPU
+
+
+def test_the_benchmarks_ceiling_is_a_build_of_its_own():
+    """bench/touch.cpp, bench_adam.py's ceiling loops (built by bench_adam.load_touch, with the kernel compiled in),
+    adds g to p, m and v in each variant the best code path has; the kernel's own module has none of them."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_adam import ceiling_loops, load_touch
+    touch = load_touch(RUNNABLE[0])
+    n = 100_003  # and a tail
+    g = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    for tile, prefetch, stream in ceiling_loops(touch).values():
+        p, m, v = torch.ones(n), torch.zeros(n), torch.full((n,), 2.0)
+        touch.touch_28_bytes(p, g, m, v, tile, prefetch, stream)
+        assert torch.equal(p, 1 + g) and torch.equal(m, g) and torch.equal(v, 2 + g), (tile, prefetch, stream)
+    assert touch.isa() == RUNNABLE[0] and not hasattr(load_cpu_adam(RUNNABLE[0]), "touch_28_bytes")
 
 
 def test_default_path_and_override(monkeypatch):

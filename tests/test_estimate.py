@@ -7,8 +7,9 @@ import math
 import pytest
 
 from conftest import ROOT
-from instruments import pinned_bytes, pinned_theory
-from train_gpt import CharData, GPT, GPTConfig, PRESETS, comm_theory, host_categories, load_text, model_state_theory
+from instruments import pinned_bytes
+from train_gpt import (CharData, GPT, GPTConfig, PRESETS, comm_theory, host_categories, load_text, model_state_theory,
+                       pinned_theory)
 
 
 def _load(name):

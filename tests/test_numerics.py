@@ -72,7 +72,7 @@ def engine_class(script):
 def test_step_holds_one_bucket_in_fp32(world_of_one, script):
     """bf16 model, several buckets: during the optimizer step no allocation is larger than one bucket's gradient in
     fp32, and all of the step's temporaries together stay below one fp32 copy of the rank's gradient (4 bytes x Ψ/N;
-    stage 0 used to make 6Ψ bytes of them, stages 1-3 4Ψ/N)."""
+    a step that widened the whole gradient at once would make 6Ψ bytes of them in stage 0, 4Ψ/N in stages 1-3)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=96, n_layer=4, n_head=2, n_embd=64)).to(torch.bfloat16)
     args = SimpleNamespace(bucket_mb=0.02, beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0, no_prefetch=False,

@@ -7,8 +7,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import ROOT, last_lines
+from devices import free_port
+from instruments import Timeline
+from options import parse_args
+from train_gpt import PRESETS, GPTConfig
+
+sys.path.insert(0, str(ROOT / "examples"))
+import any_model  # noqa: E402
 
 MODEL = ["--preset", "tiny", "--n_layer", "4", "--steps", "3"]
 
@@ -19,15 +28,15 @@ def timeline(tmp_path_factory):
     done = {}
 
     def run(script, *options):
-        if options not in done:
+        if (script, options) not in done:
             out = tmp_path_factory.mktemp("timeline")
             cmd = [sys.executable, str(ROOT / "bench" / "timeline.py"), str(ROOT / script), "--nproc", "2", *MODEL,
                    *options, "--out", str(out)]
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
                                env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
             assert p.returncode == 0, f"{' '.join(cmd)} failed:\n" + "\n".join(last_lines(p.stdout + p.stderr, 25))
-            done[options] = (p.stdout, *(json.loads((out / f).read_text()) for f in ("trace.json", "run.json")))
-        return done[options]
+            done[script, options] = (p.stdout, *(json.loads((out / f).read_text()) for f in ("trace.json", "run.json")))
+        return done[script, options]
     return run
 
 
@@ -100,3 +109,39 @@ def test_tracing_changes_no_number(timeline, runner):
     plain = runner.run(str(ROOT / "stage3.py"), 2, *MODEL, "--no_prefetch", "--no_progress", "--sample_chars", "0",
                        "--eval_batches", "1").summary
     assert (traced["losses"], traced["grad_norms"]) == (plain["losses"], plain["grad_norms"])
+
+
+def test_compute_waiting_for_copies_is_a_wait(timeline):
+    """offload's compute stream waits for the copies of new parameters (Copies.compute_waits) before the next forward:
+    that time is drawn as "wait copies", outside compute, so a copy the compute stream stood still for never reads as
+    overlapped."""
+    _, trace, _ = timeline("offload.py")
+    for rank in (0, 1):
+        waits = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == rank and e["name"] == "wait copies"]
+        assert waits and all(e["cat"] != "compute" for e in waits), f"rank {rank}: no wait for copies, or drawn as compute"
+        computes = spans(trace, rank, lambda e: e["cat"] == "compute")
+        assert not any(overlap((w["ts"], w["ts"] + w["dur"]), c) > 1e-3 for w in waits for c in computes), \
+            f"rank {rank}: compute drawn during a wait for copies"
+
+
+def test_an_engine_is_traced_by_its_own_units(tmp_path):
+    """Stage 3 given units= (a block, the head; the root takes the rest) is traced by those units, not by the blocks of
+    the model's ModuleList: each unit's forward and backward are drawn, and no other module's. In this process, as a
+    world of one, on examples/any_model.py's model."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        device, Engine = torch.device("cpu"), any_model.load_engine(str(ROOT / "stage3.py"))
+        args = parse_args(Engine, PRESETS, GPTConfig, ["--steps", "1"])
+        model = any_model.SetClassifier()
+        engine = Engine(model, args, device, units=[model.blocks[1], model.head])
+        trace = Timeline.start(str(tmp_path), engine, model, device, 0, "stage3", step=0)
+        with trace.window(0):
+            any_model.train(engine, model, args, 0, 1, device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    events = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    drawn = {e["name"] for e in events if e.get("ph") == "X" and e["cat"] == "compute"}
+    units = {"blocks.1", "head", "root"}
+    assert {f"{pass_} {u}" for pass_ in ("forward", "backward") for u in units} <= drawn, sorted(drawn)
+    assert {n.split(" ", 1)[1] for n in drawn if n.startswith(("forward ", "backward "))} == units, sorted(drawn)
