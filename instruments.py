@@ -360,7 +360,7 @@ class PeakMemory:
             self.base = live_tensor_bytes(self.device)
             self.quiet = native_stderr_without(("USDT:", "allocated before the profiling started"))
             self.quiet.__enter__()
-            # the autograd profiler itself: torch.profiler.profile would first import torch._inductor (~2 s per rank)
+            # the autograd profiler itself: torch.profiler.profile would first import torch._inductor
             self.prof = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
             self.prof.__enter__()
         return self

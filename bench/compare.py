@@ -2,7 +2,7 @@
 bench/compare.py: every stage at N = 1, 2, 4 in one command, and the memory per rank falling stage by stage.
 
 One Markdown table and one picture of the memory, built from the runs' JSON summaries only (nothing typed by hand),
-written to --out_dir (runs/compare/: table.md, summary.json, memory.png; README shows a copy, in bench/results/).
+written to --out_dir (runs/compare/: table.md, summary.json, memory.png); --results also writes bench/results/compare.md.
 
     python bench/compare.py                                   # defaults: a few minutes on a 2-core CPU
     python bench/compare.py --nproc 2 4 --stages stage0 stage3 --steps 10 --dtype bf16
@@ -23,12 +23,14 @@ N = 4), and 8 blocks make stage 3's working set (root + 2 blocks) small next to 
 Memory is counted in tensor bytes (instruments.PeakMemory), not RSS. On CPU, tokens/s at N ranks measures N processes
 sharing this machine's cores: compare stages at the same N, not across N.
 """
-import argparse, json, math, os, subprocess, sys, time
+import argparse, json, math, os, shutil, subprocess, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (str(ROOT), str(ROOT / "bench")):  # train_gpt's formulas; results.py, beside this file
+    if path not in sys.path:
+        sys.path.insert(0, path)
+from results import add_flag, publish  # noqa: E402
 
 SCRIPTS = {"stage0": "stage0_ddp.py", "stage1": "stage1.py", "stage2": "stage2.py", "stage3": "stage3.py",
            "offload": "offload.py"}
@@ -249,7 +251,7 @@ def draw(rows, path):
     return True
 
 
-def render(run_dir, only=None):
+def render(run_dir, only=None, results=None):
     rows = load_rows(run_dir, only)
     if not rows:
         raise SystemExit(f"error: no run summaries (*.json written by --out) in {run_dir}")
@@ -259,7 +261,12 @@ def render(run_dir, only=None):
     (run_dir / "table.md").write_text(table + "\n")
     (run_dir / "summary.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     png = run_dir / "memory.png"
-    if draw(rows, png):
+    drew = draw(rows, png)
+    if results:  # bench/results/compare.md, headed by the machine, torch, dtype and command; compare.png beside it
+        path = publish("compare", table, rows[0]["dtype"], results)
+        if drew:
+            shutil.copyfile(png, path.with_suffix(".png"))
+    if drew:
         print(f"\nwrote {run_dir / 'table.md'}, {run_dir / 'summary.json'} and {png}")
     else:
         print(f"\nwrote {run_dir / 'table.md'} and {run_dir / 'summary.json'}; `pip install matplotlib` draws the picture ({png})")
@@ -288,13 +295,14 @@ def main(argv=None):
                    help="auto (default): what train_gpt picks, bf16 where this machine computes it fast, else fp32")
     p.add_argument("--steps", type=int, default=5, help="at least 3: step 1 is measured, later ones timed (default 5)")
     p.add_argument("--batch_size", type=int, default=16, help="global batch in sequences (a multiple of every N)")
-    p.add_argument("--lr", type=float, default=2e-3, help="min_lr is a tenth of it (2e-3: what README's tables used)")
+    p.add_argument("--lr", type=float, default=2e-3, help="min_lr is a tenth of it")
     p.add_argument("--offload_params", action="store_true", help="passed to offload.py")
     p.add_argument("--out_dir", default=str(ROOT / "runs" / "compare"))
     p.add_argument("--from_dir", default=None, help="re-render the table and picture from the JSON files here; run nothing")
+    add_flag(p)
     a = p.parse_args(argv)
     if a.from_dir:
-        render(a.from_dir)
+        render(a.from_dir, results=a.results)
         return 0
     if a.steps < 3:
         p.error("--steps must be at least 3 (step 1 is measured; tokens/s times the steps after it)")
@@ -335,7 +343,7 @@ def main(argv=None):
         for s in stages:
             run_one(s, n, train_args + extra + (["--offload_params"] if s == "offload" and a.offload_params else []), out_dir)
     print(f"all runs: {time.perf_counter() - t0:.0f} s\n", flush=True)
-    render(out_dir, only={f"{s}_n{n}.json" for s in stages for n in nprocs})  # this command's runs, not older files
+    render(out_dir, only={f"{s}_n{n}.json" for s in stages for n in nprocs}, results=a.results)  # this command's runs
     return 0
 
 

@@ -33,7 +33,7 @@ Output: a table, largest.png (the papers' max-model-size figure in miniature) an
 FILE.json writes the rows as well: one per stage and N, with "stage", "world_size", "largest_params",
 "predicted_params".
 """
-import argparse, contextlib, gc, io, json, os, sys, tempfile, time
+import argparse, contextlib, gc, io, json, os, shutil, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -393,7 +393,7 @@ def draw(result, path):
     return True
 
 
-def render(result, out_dir, out=None):
+def render(result, out_dir, out=None, results=None):
     table = render_table(result)
     print("\n" + table + "\n")
     for line in headline(result["rows"]):
@@ -405,6 +405,11 @@ def render(result, out_dir, out=None):
     if out:
         Path(out).write_text(json.dumps(result["rows"], indent=1) + "\n")
     drew = draw(result, out_dir / "largest.png")
+    if results:  # bench/results/largest.md, headed by the machine, torch, dtype and command; largest.png beside it
+        from results import publish  # (bench/, this script's folder)
+        path = publish("largest", table + "\n\n" + "\n".join(headline(result["rows"])), result["dtype"], results)
+        if drew:
+            shutil.copyfile(out_dir / "largest.png", path.with_suffix(".png"))
     print(f"\nwrote {out_dir / 'largest.json'}, {out_dir / 'table.md'}" + (f" and {out_dir / 'largest.png'}" if drew else
           "; `pip install matplotlib` draws the picture") + (f"; rows in {out}" if out else ""))
 
@@ -430,9 +435,11 @@ def main(argv=None):
     p.add_argument("--out_dir", default=str(ROOT / "runs" / "largest"))
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the rows here")
     p.add_argument("--from_json", default=None, help="redraw from a largest.json written before; run nothing")
+    from results import add_flag
+    add_flag(p)
     o = p.parse_args(argv)
     if o.from_json:
-        return render(json.loads(Path(o.from_json).read_text()), o.out_dir, o.out)
+        return render(json.loads(Path(o.from_json).read_text()), o.out_dir, o.out, o.results)
     o.budget_mb = o.budget_mb or (24 if o.quick else 64)
     o.n_embd = o.n_embd or (128 if o.quick else 256)
     if o.budget_mb <= 0 or min(o.world_sizes) < 1 or o.n_embd % o.n_head:
@@ -454,7 +461,7 @@ def main(argv=None):
     result = dict(rows=rows, options={k: getattr(o, k) for k in ("budget_mb", "n_embd", "n_head", "block_size", "micro_batch")},
                   dtype=rows[0]["dtype"], machine=machine, seconds=round(time.perf_counter() - t0, 1))
     print(f"largest: {result['seconds']} s")
-    render(result, o.out_dir, o.out)
+    render(result, o.out_dir, o.out, o.results)
 
 
 if __name__ == "__main__":

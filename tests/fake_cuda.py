@@ -82,7 +82,7 @@ def host_sync(what):
 class FakeCuda(TorchDispatchMode):
     """device="cuda" served on the CPU; every op checked; new outputs tagged (views share their storage's tag)."""
     @classmethod
-    def _should_skip_dynamo(cls):  # nothing is compiled here: torch need not import its compiler (2.5 s a rank)
+    def _should_skip_dynamo(cls):  # nothing is compiled here: torch need not import its compiler
         return False
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):

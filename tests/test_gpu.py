@@ -4,8 +4,8 @@ and is checked against the CUDA single-process reference, against its ledgers (d
 profiler timeline, for the overlap each stage exists for. Without --gpu, or without CUDA, every test here skips
 (except the timeline reader's own test, which runs anywhere). Each check says which PyTorch documentation backs it.
 
-No one has run this suite on a GPU yet: the tolerances below are reasoned, not measured. If a check fails by a
-small margin, record the differences measured beside the tolerance before widening it."""
+The tolerances below are reasoned, not measured on a GPU (tests/README.md says where this suite has run). If a check
+fails by a small margin, record the differences measured beside the tolerance before widening it."""
 import json
 from pathlib import Path
 

@@ -1,0 +1,58 @@
+"""The pages: README.md is a first page a learner can read (its size, its first screen, a README in every folder);
+bench/README.md's tables are exactly what the bench scripts wrote in bench/results/; no page or comment tells history.
+(test_readme.py checks README's diff table; test_commands.py runs every command the pages show.)"""
+import re
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import results  # noqa: E402
+
+
+def test_readme_is_a_first_page():
+    """README.md is a learner's page: at most 200 lines and 16 KB, and its first screen holds the install (the CPU
+    build's advice before it), the training command and the test command that .ci/run calls."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200 and len(text.encode()) <= 16 * 1024, (
+        f"README.md is {len(text.splitlines())} lines, {len(text.encode()):,} bytes: at most 200 and 16 KB; move "
+        "detail into the folder that it documents")
+    first_screen = "\n".join(text.splitlines()[:24])
+    commands = re.search(r"^```bash\n(.*?)^```", first_screen, re.S | re.M).group(1).splitlines()
+    assert commands[0].startswith("pip install -r requirements.txt && ") and "torchrun" in commands[0]
+    assert commands[1] == "python -m pytest tests"
+    assert first_screen.index("download.pytorch.org/whl/cpu") < first_screen.index("```bash")
+    for folder in ("bench", "tests", "course", "examples"):
+        assert f"]({folder}/README.md)" in text and (ROOT / folder / "README.md").exists(), folder
+
+
+def test_bench_page_shows_the_results():
+    """bench/README.md shows every table in bench/results/ exactly as its script wrote it, and nothing else
+    (`python bench/results.py` copies the files into the page)."""
+    files = {p.relative_to(results.RESULTS).with_suffix("").as_posix(): p.read_text()
+             for p in results.RESULTS.rglob("*.md")}
+    shown = results.blocks()
+    assert sorted(shown) == sorted(files), (
+        f"bench/README.md shows {sorted(set(shown) - set(files))} that bench/results/ lacks, and lacks "
+        f"{sorted(set(files) - set(shown))}")
+    for name, text in files.items():
+        assert shown[name] == text, (f"bench/README.md's block of bench/results/{name}.md differs from the file: "
+                                     "re-run the script with --results, or `python bench/results.py`; never edit either")
+
+
+HISTORY = re.compile(r"issue [0-9]|predate|used to be|re-run since|need re-running|this session", re.I)
+
+
+def test_no_history():
+    """Pages and comments describe the code as it is: no issue numbers, no diary of what was tried or when it ran."""
+    found = []
+    for path in sorted(ROOT.rglob("*")):
+        parts = path.relative_to(ROOT).parts
+        if path.suffix not in (".md", ".py", ".cpp") or path == Path(__file__) or not path.is_file() or any(
+                p.startswith(".") or p in ("runs", "exercises", "__pycache__") for p in parts):
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if HISTORY.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
+    assert not found, "history in the files:\n" + "\n".join(found)
