@@ -459,9 +459,21 @@ def summarize(stage, args, cfg, data, engine, history, measured, step_times, th,
                 model_state_bytes={k: {"measured": states.get(k, 0), "theory": v, "where": "host" if k in th["host"] else "device"}
                                    for k, v in th["states"].items()},
                 model_state_bytes_per_rank=[s for s, _ in ranks], peak_memory_bytes_per_rank=[p for _, p in ranks],
+                activation_checkpoints=activation_checkpoints(args, cfg, world_size),
                 comm_bytes_per_step={"measured": sum(sent.values()), "theory": sum(th["comm"].values()),
                                      "by_collective": {k: {"measured": sent.get(k, 0.0), "theory": th["comm"].get(k, 0.0)}
                                                        for k in sorted(set(sent) | set(th["comm"]))}})
+
+def activation_checkpoints(args, cfg, world_size):
+    """With --checkpoint_activations, what backward keeps of each block: its input alone, one micro-batch of this rank
+    (batch_size / (N x grad_accum) sequences) x block_size x n_embd in the run's dtype; the block's own activations
+    exist only while its backward runs (it runs the block's forward again first), one block at a time. None without."""
+    if not getattr(args, "checkpoint_activations", False):
+        return None
+    micro_batch = args.batch_size // (world_size * args.grad_accum)
+    return dict(blocks=cfg.n_layer, kept_per_block="the block's input: micro_batch x block_size x n_embd",
+                micro_batch=micro_batch, bytes_per_block=micro_batch * cfg.block_size * cfg.n_embd
+                * {"bf16": 2, "fp32": 4}[args.dtype])
 
 def report(summary, th):
     """What a run ends with: its loss and speed, then the memory table the project is about."""
@@ -470,6 +482,11 @@ def report(summary, th):
     print(memory_table(f"{s['stage']}, {s['dtype']}, {th['formula']}", s["model_state_bytes_per_rank"],
                        s["peak_memory_bytes_per_rank"], th["states"], th["host"],
                        {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items()}, th["comm"]))
+    if s.get("activation_checkpoints"):
+        a = s["activation_checkpoints"]
+        print(f"activations checkpointed: each of the {a['blocks']} blocks keeps only its input for backward "
+              f"({a['micro_batch']} x {s['config']['block_size']} x {s['config']['n_embd']}, {a['bytes_per_block'] / 2**10:.1f} "
+              f"KiB); one block's activations at a time are recomputed in backward")
     if th["pinned"]:
         print(f"pinned host memory {s['pinned_host_bytes']['measured'] / 2**20:.2f} MiB (theory {th['pinned'] / 2**20:.2f}: "
               f"PyTorch rounds each pinned allocation up to a power of two)")
