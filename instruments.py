@@ -62,7 +62,8 @@ class Timeline:
       A unit's forward runs from its forward pre-hooks to its forward hooks; its backward from the gradient reaching
       its output to the gradient of the last of its own parameters. These hooks sit on both sides of the engine's own
       (prepend=True: before them), so what the engine does in its hooks (stage 3 gathering and freeing parameters) is
-      not the unit's compute. A block pauses the root it runs in.
+      not the unit's compute. A block pauses the root it runs in. With --checkpoint_activations a block's forward runs
+      again inside its backward (the recompute): drawn as part of that backward, its forward hooks ignored there.
     - each collective through `comm`, from the call to its completion: the earlier of the moment its future completes
       (a callback, which may wait for the GIL; gloo's reduce-scatter has no future, so a thread of ours waits for it)
       and the moment the engine's wait() returns. Both come after the true completion, and a collective that finished
@@ -101,13 +102,16 @@ class Timeline:
         self.names = {m: name or "root" for name, m in model.named_modules()}
         self.n_params, self.left = {u: list(owner.values()).count(u) for u in units}, {}
         for u in units:
-            u.register_forward_pre_hook(lambda m, a: self._mark("push"), prepend=True)
-            u.register_forward_pre_hook(lambda m, a: self._mark("top", f"forward {self.names[m]}"))
+            u.register_forward_pre_hook(lambda m, a: self._mark("push", forward=True), prepend=True)
+            u.register_forward_pre_hook(lambda m, a: self._mark("top", f"forward {self.names[m]}", forward=True))
             u.register_forward_hook(lambda m, a, out: self._after_forward(m, out, before_engine=True), prepend=True)
             u.register_forward_hook(lambda m, a, out: self._after_forward(m, out, before_engine=False))
         for p, u in owner.items():
             p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_done(u))
         engine.step = self._wrap(engine.step, lambda: self._mark("push", "optimizer step"), lambda _: self._mark("pop"))
+        self.in_backward = False  # in engine.backward a unit's forward is a recompute (--checkpoint_activations)
+        engine.backward = self._wrap(engine.backward, lambda: setattr(self, "in_backward", True),
+                                     lambda _: setattr(self, "in_backward", False))
         copies = getattr(engine, "copies", None)
         stream = getattr(copies, "stream", None) if self.cuda else None
         if hasattr(copies, "copy"):  # offload's copies between device and host
@@ -130,10 +134,11 @@ class Timeline:
         event.record(stream)
         return event
 
-    def _mark(self, op, label=None):
+    def _mark(self, op, label=None, forward=False):
         """The compute row changes now: `push` label (None: the engine's hook runs), `top`: the top becomes label,
-        `pop` the top, `end` unit label's backward (its entry may be below the top: a paused unit)."""
-        if not self.on:
+        `pop` the top, `end` unit label's backward (its entry may be below the top: a paused unit). A forward hook's
+        mark (forward=True) in backward is a recompute's: no change."""
+        if not self.on or (forward and self.in_backward):
             return
         if op == "end" and self.stack[-1:] != [label]:
             if label in self.stack:
@@ -153,6 +158,8 @@ class Timeline:
     def _after_forward(self, unit, out, before_engine):
         """Before the engine's forward hooks: the unit's forward is over; after them, back to its caller. On its
         output, hooks on both sides of the engine's (registered in its forward hook) bracket its work before backward."""
+        if self.in_backward:  # a recompute: no output of it is backpropagated
+            return
         self._mark("top" if before_engine else "pop")
         outs = out if isinstance(out, tuple) else (out,)
         t = next((t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad), None)

@@ -214,3 +214,16 @@ def test_the_peak_falls(runner):
     kept = with_switch["activation_checkpoints"]  # per block, its input: 4 sequences per rank, in fp32
     assert kept["blocks"] == 2 and kept["bytes_per_block"] == 4 * BLOCK * 33 * 4, kept
     assert without["activation_checkpoints"] is None
+
+
+def test_the_timeline_draws_a_recompute_as_backward(runner, tmp_path_factory):
+    """--timeline with the switch: a block's recompute runs its forward hooks inside its backward; the timeline draws
+    that time as the block's backward, and no block's forward after backward has begun."""
+    import json
+    out = tmp_path_factory.mktemp("timeline")
+    runner.run(ZERO3["stage3"], 2, *MODEL, *TRAIN, *SWITCH, "--grad_accum", "1", "--timeline", str(out))  # 1 backward
+    events = json.loads((out / "trace_rank0.json").read_text())["traceEvents"]
+    names = [e["name"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("cat") == "compute"]
+    first = next(i for i, n in enumerate(names) if n.startswith("backward"))
+    assert {"backward blocks.0", "backward blocks.1"} <= set(names[first:]), names
+    assert not [n for n in names[first:] if n.startswith("forward")], names
