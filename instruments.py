@@ -62,7 +62,8 @@ class Timeline:
       A unit's forward runs from its forward pre-hooks to its forward hooks; its backward from the gradient reaching
       its output to the gradient of the last of its own parameters. These hooks sit on both sides of the engine's own
       (prepend=True: before them), so what the engine does in its hooks (stage 3 gathering and freeing parameters) is
-      not the unit's compute. A block pauses the root it runs in.
+      not the unit's compute. A block pauses the root it runs in. With --checkpoint_activations a block's forward runs
+      again inside its backward (the recompute): drawn as part of that backward, its forward hooks ignored there.
     - each collective through `comm`, from the call to its completion: the earlier of the moment its future completes
       (a callback, which may wait for the GIL; gloo's reduce-scatter has no future, so a thread of ours waits for it)
       and the moment the engine's wait() returns. Both come after the true completion, and a collective that finished
@@ -101,13 +102,16 @@ class Timeline:
         self.names = {m: name or "root" for name, m in model.named_modules()}
         self.n_params, self.left = {u: list(owner.values()).count(u) for u in units}, {}
         for u in units:
-            u.register_forward_pre_hook(lambda m, a: self._mark("push"), prepend=True)
-            u.register_forward_pre_hook(lambda m, a: self._mark("top", f"forward {self.names[m]}"))
+            u.register_forward_pre_hook(lambda m, a: self._mark("push", forward=True), prepend=True)
+            u.register_forward_pre_hook(lambda m, a: self._mark("top", f"forward {self.names[m]}", forward=True))
             u.register_forward_hook(lambda m, a, out: self._after_forward(m, out, before_engine=True), prepend=True)
             u.register_forward_hook(lambda m, a, out: self._after_forward(m, out, before_engine=False))
         for p, u in owner.items():
             p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_done(u))
         engine.step = self._wrap(engine.step, lambda: self._mark("push", "optimizer step"), lambda _: self._mark("pop"))
+        self.in_backward = False  # in engine.backward a unit's forward is a recompute (--checkpoint_activations)
+        engine.backward = self._wrap(engine.backward, lambda: setattr(self, "in_backward", True),
+                                     lambda _: setattr(self, "in_backward", False))
         copies = getattr(engine, "copies", None)
         stream = getattr(copies, "stream", None) if self.cuda else None
         if hasattr(copies, "copy"):  # offload's copies between device and host
@@ -130,10 +134,11 @@ class Timeline:
         event.record(stream)
         return event
 
-    def _mark(self, op, label=None):
+    def _mark(self, op, label=None, forward=False):
         """The compute row changes now: `push` label (None: the engine's hook runs), `top`: the top becomes label,
-        `pop` the top, `end` unit label's backward (its entry may be below the top: a paused unit)."""
-        if not self.on:
+        `pop` the top, `end` unit label's backward (its entry may be below the top: a paused unit). A forward hook's
+        mark (forward=True) in backward is a recompute's: no change."""
+        if not self.on or (forward and self.in_backward):
             return
         if op == "end" and self.stack[-1:] != [label]:
             if label in self.stack:
@@ -153,6 +158,8 @@ class Timeline:
     def _after_forward(self, unit, out, before_engine):
         """Before the engine's forward hooks: the unit's forward is over; after them, back to its caller. On its
         output, hooks on both sides of the engine's (registered in its forward hook) bracket its work before backward."""
+        if self.in_backward:  # a recompute: no output of it is backpropagated
+            return
         self._mark("top" if before_engine else "pop")
         outs = out if isinstance(out, tuple) else (out,)
         t = next((t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad), None)
@@ -459,9 +466,21 @@ def summarize(stage, args, cfg, data, engine, history, measured, step_times, th,
                 model_state_bytes={k: {"measured": states.get(k, 0), "theory": v, "where": "host" if k in th["host"] else "device"}
                                    for k, v in th["states"].items()},
                 model_state_bytes_per_rank=[s for s, _ in ranks], peak_memory_bytes_per_rank=[p for _, p in ranks],
+                activation_checkpoints=activation_checkpoints(args, cfg, world_size),
                 comm_bytes_per_step={"measured": sum(sent.values()), "theory": sum(th["comm"].values()),
                                      "by_collective": {k: {"measured": sent.get(k, 0.0), "theory": th["comm"].get(k, 0.0)}
                                                        for k in sorted(set(sent) | set(th["comm"]))}})
+
+def activation_checkpoints(args, cfg, world_size):
+    """With --checkpoint_activations, what backward keeps of each block: its input alone, one micro-batch of this rank
+    (batch_size / (N x grad_accum) sequences) x block_size x n_embd in the run's dtype; the block's own activations
+    exist only while its backward runs (it runs the block's forward again first), one block at a time. None without."""
+    if not getattr(args, "checkpoint_activations", False):
+        return None
+    micro_batch = args.batch_size // (world_size * args.grad_accum)
+    return dict(blocks=cfg.n_layer, kept_per_block="the block's input: micro_batch x block_size x n_embd",
+                micro_batch=micro_batch, bytes_per_block=micro_batch * cfg.block_size * cfg.n_embd
+                * {"bf16": 2, "fp32": 4}[args.dtype])
 
 def report(summary, th):
     """What a run ends with: its loss and speed, then the memory table the project is about."""
@@ -470,6 +489,11 @@ def report(summary, th):
     print(memory_table(f"{s['stage']}, {s['dtype']}, {th['formula']}", s["model_state_bytes_per_rank"],
                        s["peak_memory_bytes_per_rank"], th["states"], th["host"],
                        {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items()}, th["comm"]))
+    if s.get("activation_checkpoints"):
+        a = s["activation_checkpoints"]
+        print(f"activations checkpointed: each of the {a['blocks']} blocks keeps only its input for backward "
+              f"({a['micro_batch']} x {s['config']['block_size']} x {s['config']['n_embd']}, {a['bytes_per_block'] / 2**10:.1f} "
+              f"KiB); one block's activations at a time are recomputed in backward")
     if th["pinned"]:
         print(f"pinned host memory {s['pinned_host_bytes']['measured'] / 2**20:.2f} MiB (theory {th['pinned'] / 2**20:.2f}: "
               f"PyTorch rounds each pinned allocation up to a power of two)")

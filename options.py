@@ -26,6 +26,8 @@ def parse_args(Engine, presets, config, argv=None):
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.99)
     p.add_argument("--grad_clip", type=float, default=1.0)
+    p.add_argument("--checkpoint_activations", action="store_true", help="each transformer block keeps only its input "
+                   "for backward, which runs the block's forward again (torch.utils.checkpoint, non-reentrant)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="parameters and gradients; auto: "
                    "bf16 where it is fast (a GPU with bf16, a CPU with native bf16 matmul: AMX, AVX512-BF16), else fp32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

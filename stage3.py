@@ -25,8 +25,7 @@ class Bucket:
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
     def __init__(self, start, module):
         self.start = self.end = start  # its place in the flat numbering of all parameters
-        self.module = module
-        self.params = []
+        self.module, self.params = module, []  # the unit, and its trained parameters
         self.waiting = 0   # gradients still to arrive in this backward
         self.work = None   # the collective in flight
         self.grad = None   # the bucket's full gradient: exists only until reduced
@@ -125,18 +124,20 @@ class ZeRO3Engine:
 
     def _use(self, b, order):
         """Bucket b is about to run (forward or backward): have its parameters, and prefetch the next bucket's."""
+        order = self.backward_order if b.waiting else order  # b waits for gradients: its backward, or its recompute
         if b not in order:
             order.append(b)  # the first pass records the order; later passes prefetch by it
         self._gather(b)
         if b.gather is not None:
             b.gather.wait()
             b.gather = None
-        nxt = order.index(b) + 1
-        if nxt < len(order) and not self.args.no_prefetch:
-            self._gather(order[nxt])
+        if b is not order[-1] and not self.args.no_prefetch:
+            self._gather(order[order.index(b) + 1])
 
     def _after_forward(self, b, out):
         """Free b's parameters; if backward will come, gather them again just before b's backward."""
+        if b.waiting:  # b's recompute (--checkpoint_activations) in its backward: keep them; _grad_ready frees them
+            return
         self._free(b)
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (checkpoint.py saves the training state)
 
 from checkpoint import (checkpoint_due, consolidate, load_checkpoint, load_consolidated, plan_checkpoints,
                         save_checkpoint)
@@ -76,9 +77,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 class GPT(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, checkpoint_activations=False):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.checkpoint_activations = cfg, checkpoint_activations  # --checkpoint_activations: see forward
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -103,10 +104,9 @@ class GPT(nn.Module):
         p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
 
     def forward(self, idx, targets=None):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:  # checkpointed, a block keeps only its input x; its backward first runs it again
+            x = activation_checkpoint(block, x, use_reentrant=False) if self.checkpoint_activations else block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
@@ -208,7 +208,7 @@ def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=Fal
 def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
     """Bytes this rank sends per optimizer step, by collective, with ring algorithms: an all-reduce sends 2(N-1)/N of
     the tensor, a reduce-scatter or an all-gather (N-1)/N. Gradient accumulation: stages 0 and 1 reduce once per step
-    (no_sync); stage 2 every micro-step, into its shard; stage 3 also gathers twice a micro-step (forward, backward)."""
+    (no_sync); stage 2 every micro-step; stage 3 gathers twice a micro-step (forward; backward, recompute included)."""
     once = n_params * param_bytes * (world_size - 1) / world_size  # one reduce-scatter or all-gather of all Ψ
     norm = 2 * 8 * (world_size - 1) / world_size  # one float64 scalar all-reduced: the shards' squared gradient norms
     return {"reference": {}, "stage0": {"all_reduce": 2 * once},
@@ -370,13 +370,13 @@ def train_step(engine, data, args, step, device, measured=None):
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
     return loss_sum.item(), float(grad_norm), sent
 
-def build_model(Engine, cfg, device, dtype):
+def build_model(Engine, cfg, device, dtype, checkpoint_activations=False):
     """The GPT on the device; for ZeRO-3's engines (Engine.from_meta) on the meta device, shapes without storage: the
     engine makes it a unit at a time, and no rank ever holds the whole model."""
     if getattr(Engine, "from_meta", False):
         with torch.device("meta"):
-            return GPT(cfg).to(dtype=dtype)
-    return GPT(cfg).to(device=device, dtype=dtype)
+            return GPT(cfg, checkpoint_activations).to(dtype=dtype)
+    return GPT(cfg, checkpoint_activations).to(device=device, dtype=dtype)
 
 def main(Engine, stage, distributed=True, formula=None):
     """Train with `Engine`; `stage` names the run, `formula` the stage whose memory model applies (default: stage)."""
@@ -400,7 +400,7 @@ def main(Engine, stage, distributed=True, formula=None):
     where, manifest, start, end, ckpt_dir = plan_checkpoints(args, cfg, data.chars, rank, world_size)
 
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
-    model = build_model(Engine, cfg, device, dtype)
+    model = build_model(Engine, cfg, device, dtype, args.checkpoint_activations)
     engine = Engine(model, args, device)
     trace = Timeline.start(args.timeline, engine, model, device, rank, stage, step=end - 1)  # (the last step)
     th = theory(formula or stage, engine.padded_numel, world_size, dtype, args, device)

@@ -120,6 +120,7 @@ def load_rows(run_dir, only=None):
             file=path.name, stage=s["stage"], world_size=s["world_size"], n_params=s.get("n_params"),
             padded_numel=s.get("padded_numel"), dtype=s.get("dtype"), device=s.get("device"),
             config=s.get("config", {}), steps=args.get("steps"), batch_size=args.get("batch_size"),
+            checkpoint_activations=bool(args.get("checkpoint_activations", False)),
             grad_accum=args.get("grad_accum"), offload_params=offload_params,
             host=list(host_categories(s["stage"], offload_params)),
             measured=meas, theory=theo, states_measured=sum(meas.values()), states_theory=sum(theo.values()),
@@ -141,7 +142,8 @@ def describe(r):
     c = r["config"]
     return (f"GPT {c.get('n_layer')} layers x {c.get('n_embd')} wide, {c.get('n_head')} heads, vocab {c.get('vocab_size')}, "
             f"Ψ = {r['n_params']:,} parameters; {r['dtype']} on {r['device']}; global batch {r['batch_size']} x "
-            f"{c.get('block_size')} tokens (grad_accum {r['grad_accum']}); {r['steps']} steps")
+            f"{c.get('block_size')} tokens (grad_accum {r['grad_accum']}); {r['steps']} steps"
+            + ("; --checkpoint_activations (a block keeps only its input for backward)" * r["checkpoint_activations"]))
 
 
 def render_table(rows):

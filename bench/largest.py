@@ -4,6 +4,7 @@ bench/largest.py: the ZeRO papers' headline, measured: the largest GPT each stag
     python bench/largest.py                    # every stage at N = 1, 2, 4 within 64 MiB per rank: minutes on 2 cores
     python bench/largest.py --quick            # 24 MiB, GPTs 128 wide: under 3 minutes here (tests/test_largest.py)
     python bench/largest.py --budget_mb 8192 --n_embd 1024 --block_size 1024     # on GPUs
+    python bench/largest.py --quick --checkpoint_activations    # the same search, each block checkpointed
     python bench/largest.py --from_json runs/largest/largest.json                # redraw the table and picture only
 
 "Fits" is measured, never computed. For a stage and N, N ranks build a GPT of a fixed width (--n_embd) and a given
@@ -23,11 +24,16 @@ what meets that). Each row names the limit its search hit: device memory, host m
 
 "predicted" is the estimator: the paper's formula for the model states a rank keeps on the device
 (train_gpt.model_state_theory) plus the activations measured (what autograd saves for backward in one forward of the
-rank's micro-batch, linear in depth). It leaves out what the measurement charges besides: gradient buckets in flight
+rank's micro-batch, linear in depth; with --checkpoint_activations, what autograd keeps then, each block's input, plus
+one block's activations, which its recompute makes again in backward). It leaves out what the measurement charges besides: gradient buckets in flight
 and their fp32 copies at the step (stages 0-2: up to two --bucket_mb buckets), stage 3's working set (the units
 gathered at once), allocator-level transients. The search starts at the prediction and walks to the boundary (steps
 doubling, then bisection), so a good prediction costs few probes. Near the boundary a probe's peak can differ by a few
 hundred KiB between runs (when the collectives' asynchronous buffers are freed), so a result can move by a layer.
+
+--checkpoint_activations builds every GPT with the switch (train_gpt.GPT: each block under torch.utils.checkpoint),
+as train_gpt's option of the same name does; its results go to runs/largest_checkpointed/ unless --out_dir says.
+--beside FILE.json (a largest.json of the other setting) adds its largest depth and Ψ to each row, and the ratio.
 
 Output: a table, largest.png (the papers' max-model-size figure in miniature) and largest.json in --out_dir; --out
 FILE.json writes the rows as well: one per stage and N, with "stage", "world_size", "largest_params",
@@ -158,22 +164,31 @@ class Prober:
 
     def activations(self, depth):
         """Bytes autograd keeps for backward in one forward on this rank's micro-batch (parameters aside), at `depth`
-        layers: linear in depth (every block saves alike), so measured once, at depths 1 and 2, on a plain GPT."""
+        layers: linear in depth (every block saves alike), so measured once, at depths 1 and 2, on a plain GPT. With
+        --checkpoint_activations, what it keeps then (each block's input, saved by the checkpoint) plus one block's
+        activations (the plain GPT's per block), which a block's recompute makes again during its backward."""
         if not hasattr(self, "act"):
-            import torch
-            from instruments import storage_bytes
-            from train_gpt import GPT
-            self.act = []
-            x, y = self.data.batch("train", 0, self.opts.micro_batch, 0, 1, self.device)
-            for d in (1, 2):
-                model, saved = GPT(self.config(d)).to(self.device, self.dtype), []
-                weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-                keep = lambda t: saved.append(t) if t.untyped_storage().data_ptr() not in weights else None  # noqa: E731
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
-                    loss = model(x, y)
-                self.act.append(storage_bytes(saved))
-                del model, saved, loss
-        return self.act[0] + (depth - 1) * (self.act[1] - self.act[0])
+            self.act = {ckpt: self.saved_bytes(ckpt) for ckpt in {False, self.opts.checkpoint_activations}}
+        kept = self.act[self.opts.checkpoint_activations]
+        one_block = (self.act[False][1] - self.act[False][0]) * self.opts.checkpoint_activations
+        return kept[0] + (depth - 1) * (kept[1] - kept[0]) + one_block
+
+    def saved_bytes(self, checkpoint_activations):
+        """[at depth 1, at depth 2]: the bytes autograd keeps for backward in one forward (parameters aside)."""
+        import torch
+        from instruments import storage_bytes
+        from train_gpt import GPT
+        out = []
+        x, y = self.data.batch("train", 0, self.opts.micro_batch, 0, 1, self.device)
+        for d in (1, 2):
+            model, saved = GPT(self.config(d), checkpoint_activations).to(self.device, self.dtype), []
+            weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            keep = lambda t: saved.append(t) if t.untyped_storage().data_ptr() not in weights else None  # noqa: E731
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+                loss = model(x, y)
+            out.append(storage_bytes(saved))
+            del model, loss
+        return out
 
     def config(self, depth):
         from train_gpt import GPTConfig
@@ -205,7 +220,8 @@ class Prober:
         try:
             with PeakMemory(self.device) as meter:
                 torch.manual_seed(args.seed + self.rank)
-                model = build_model(Engine, self.config(depth), self.device, self.dtype)
+                model = build_model(Engine, self.config(depth), self.device, self.dtype,
+                                    self.opts.checkpoint_activations)
                 with contextlib.redirect_stdout(io.StringIO()) if self.said.get(stage) else contextlib.nullcontext():
                     engine = Engine(model, args, self.device)  # (what an engine prints, such as offload's cpu_adam line: once)
                 self.said[stage] = True
@@ -316,19 +332,33 @@ def run_world(world_size, opts):
 # ----------------------------------------------------------------------------------------------------------------
 # Report
 
-def render_table(result):
+def setting(result):
+    """How the GPTs of a result were trained: with activation checkpointing or not (results from before it: not)."""
+    return "with" if result["options"].get("checkpoint_activations") else "without"
+
+
+def render_table(result, beside=None):
+    """The result's table; with `beside` (a result of the other setting, same budget and GPT), each row also gives the
+    largest depth and Ψ there, and this row's Ψ over that one."""
     rows, o = result["rows"], result["options"]
     base = {r["world_size"]: r["largest_params"] for r in rows if r["stage"] == "stage0"}
+    other = {(r["stage"], r["world_size"]): r for r in (beside or {}).get("rows", [])}
+    extra = f" | {setting(beside)} checkpointing: layers | Ψ | × {setting(beside)}" if beside else ""
     lines = [f"largest GPT that trains within {o['budget_mb']} MiB per rank ({result['dtype']}, {o['n_embd']} wide, "
-             f"{o['micro_batch']} x {o['block_size']} tokens per rank; {result['machine']})", "",
+             f"{o['micro_batch']} x {o['block_size']} tokens per rank, {setting(result)} activation checkpointing; "
+             f"{result['machine']})", "",
              "| stage | N | largest: layers | Ψ | peak MiB | model states (formula) MiB | × stage 0 at N "
-             "| predicted: layers | Ψ | limit |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| predicted: layers | Ψ | limit{extra} |", "|---|---|---|---|---|---|---|---|---|---|" + "---|" * 3 * bool(beside)]
     for r in rows:
         ratio = f"{r['largest_params'] / base[r['world_size']]:.2f}" if base.get(r["world_size"]) else "—"
+        b = other.get((r["stage"], r["world_size"]))
+        also = (f" {b['largest_layers']} | {b['largest_params'] / 1e6:.2f}M | "
+                + (f"{r['largest_params'] / b['largest_params']:.2f} |" if b["largest_params"] else "— |")
+                if b else " — | — | — |") if beside else ""
         lines.append(f"| {r['stage']} | {r['world_size']} | {r['largest_layers']} | {r['largest_params'] / 1e6:.2f}M | "
                      f"{r['peak_mib'] if r['peak_mib'] is not None else '—'} | "
                      f"{r['states_mib'] if r['states_mib'] is not None else '—'} | {ratio} | {r['predicted_layers']} | "
-                     f"{r['predicted_params'] / 1e6:.2f}M | {r.get('limit', '—')} |")
+                     f"{r['predicted_params'] / 1e6:.2f}M | {r.get('limit', '—')} |{also}")
     return "\n".join(lines)
 
 
@@ -382,7 +412,8 @@ def draw(result, path):
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     ax.set_title(f"Largest GPT within {o['budget_mb']} MiB per rank, measured ({result['dtype']}, {o['n_embd']} wide, "
-                 f"{o['micro_batch']} x {o['block_size']} tokens per rank)\n{result['machine']}", fontsize=10)
+                 f"{o['micro_batch']} x {o['block_size']} tokens per rank"
+                 f"{', activations checkpointed' * (setting(result) == 'with')})\n{result['machine']}", fontsize=10)
     handles = [Patch(color=colors[s], label=s.replace("stage", "stage ")) for s in stages]
     handles.append(Line2D([], [], color="black", marker="_", linestyle="", markersize=14, mew=2,
                           label="predicted: formula + measured activations"))
@@ -393,11 +424,18 @@ def draw(result, path):
     return True
 
 
-def render(result, out_dir, out=None, results=None):
-    table = render_table(result)
+def render(result, out_dir, out=None, results=None, beside=None):
+    table = render_table(result, beside)
     print("\n" + table + "\n")
     for line in headline(result["rows"]):
         print(line)
+    if beside:
+        get = {(r["stage"], r["world_size"]): r["largest_params"] for r in beside["rows"]}
+        for r in result["rows"]:
+            if r["stage"] == "stage3" and r["world_size"] == 4 and get.get(("stage3", 4)):
+                print(f"stage 3 at N=4 {setting(result)} activation checkpointing trains "
+                      f"{r['largest_params'] / get['stage3', 4]:.2f}x the parameters it trains {setting(beside)} "
+                      f"({r['largest_params'] / 1e6:.2f}M against {get['stage3', 4] / 1e6:.2f}M)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "largest.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -432,14 +470,23 @@ def main(argv=None):
                    "(with CUDA; default: 90%% of what the node has available, less 4 GiB, shared by its ranks)")
     p.add_argument("--probe_seconds", type=float, default=None, help="stop searching deeper once a probe that fits "
                    "takes longer than this (the row's limit is then time)")
-    p.add_argument("--out_dir", default=str(ROOT / "runs" / "largest"))
+    p.add_argument("--checkpoint_activations", action="store_true", help="every GPT with each block checkpointed "
+                   "(train_gpt's --checkpoint_activations)")
+    p.add_argument("--out_dir", default=None, help="default: runs/largest (runs/largest_checkpointed with "
+                   "--checkpoint_activations)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the rows here")
     p.add_argument("--from_json", default=None, help="redraw from a largest.json written before; run nothing")
+    p.add_argument("--beside", default=None, metavar="FILE.json", help="a largest.json of the other setting (with or "
+                   "without --checkpoint_activations): its largest depths beside this run's, and the ratios")
     from results import add_flag
     add_flag(p)
     o = p.parse_args(argv)
+    beside = json.loads(Path(o.beside).read_text()) if o.beside else None
     if o.from_json:
-        return render(json.loads(Path(o.from_json).read_text()), o.out_dir, o.out, o.results)
+        result = json.loads(Path(o.from_json).read_text())
+        return render(result, o.out_dir or ROOT / "runs" / ("largest" + "_checkpointed" * (setting(result) == "with")),
+                      o.out, o.results, beside)
+    o.out_dir = o.out_dir or str(ROOT / "runs" / ("largest" + "_checkpointed" * o.checkpoint_activations))
     o.budget_mb = o.budget_mb or (24 if o.quick else 64)
     o.n_embd = o.n_embd or (128 if o.quick else 256)
     if o.budget_mb <= 0 or min(o.world_sizes) < 1 or o.n_embd % o.n_head:
@@ -452,16 +499,17 @@ def main(argv=None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from bench_adam import cpu_model  # (bench/ is on the path: this script's own folder)
     machine = torch.cuda.get_device_name() if o.device == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
-    print(f"largest: {o.budget_mb} MiB per rank; stages {' '.join(o.stages)} at N = {' '.join(map(str, o.world_sizes))}; "
-          f"{machine}", flush=True)
+    print(f"largest: {o.budget_mb} MiB per rank; stages {' '.join(o.stages)} at N = {' '.join(map(str, o.world_sizes))}"
+          f"{'; activation checkpointing' * o.checkpoint_activations}; {machine}", flush=True)
     t0, rows = time.perf_counter(), []
     for n in sorted(set(o.world_sizes)):
         rows += run_world(n, o)
     rows.sort(key=lambda r: (list(SCRIPTS).index(r["stage"]), r["world_size"]))
-    result = dict(rows=rows, options={k: getattr(o, k) for k in ("budget_mb", "n_embd", "n_head", "block_size", "micro_batch")},
+    result = dict(rows=rows, options={k: getattr(o, k) for k in ("budget_mb", "n_embd", "n_head", "block_size", "micro_batch",
+                                                                 "checkpoint_activations")},
                   dtype=rows[0]["dtype"], machine=machine, seconds=round(time.perf_counter() - t0, 1))
     print(f"largest: {result['seconds']} s")
-    render(result, o.out_dir, o.out, o.results)
+    render(result, o.out_dir, o.out, o.results, beside)
 
 
 if __name__ == "__main__":
