@@ -110,7 +110,7 @@ def report(n_params, world_size, param_bytes, offload_params, gpus_per_node, nod
              f"{param_bytes}-byte params/grads + 12 bytes fp32 master/Adam; in {uname} ({'2^30' if unit == 'GiB' else '1e9'} bytes)",
              "(model states only: no activations, no collective buffers, no stage-3 working set; host used: with CUDA, "
              "the staging buffer too, and each pinned buffer rounded up to a power of two)", "",
-             f"| stage | params | grads | master+adam_m+adam_v | device/rank | host/rank | host used/rank | host/node | total/rank |",
+             "| stage | params | grads | master+adam_m+adam_v | device/rank | host/rank | host used/rank | host/node | total/rank |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for stage, r in est.items():
         c, on_host = r["by_category"], host_categories(stage, offload_params)
