@@ -258,6 +258,16 @@ def consolidate(path, out):
                                             "state_dict": state}, f))
     print(f"wrote {out}: {sum(t.numel() for t in state.values()):,} fp32 parameters after step {manifest['step']} of {where}")
 
+def sample_text(saved, model, args, device=torch.device("cpu")):
+    """Text that `model`, a GPT of the config `saved` was trained with, generates from a newline with saved's fp32
+    weights (a consolidated file's dict, or the one a run ends with)."""
+    model, chars = model.to(device), saved["chars"]
+    model.load_state_dict({**saved["state_dict"], "lm_head.weight": saved["state_dict"]["wte.weight"]})  # the tied head
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    start = torch.full((1, 1), chars.index("\n") if "\n" in chars else 0, dtype=torch.long, device=device)
+    out = model.generate(start, args.sample_chars, generator=g)[0].tolist()
+    return "--- sample ---\n" + "".join(chars[i] for i in out if i < len(chars)) + "\n--------------"
+
 def load_consolidated(path):
     """The file --consolidate writes, or one line saying what --sample takes."""
     fix = "--sample takes the one file that --consolidate writes (python train_gpt.py --consolidate CKPT_DIR OUT.pt)"
