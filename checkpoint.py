@@ -204,7 +204,8 @@ def load_checkpoint(where, manifest, engine, device, stage=None):
         torch.set_rng_state(shard["rng"])
         if shard["cuda_rng"] is not None and device.type == "cuda":  # (on a CPU run, touching CUDA makes a context)
             torch.cuda.set_rng_state(shard["cuda_rng"], device)
-    engine.resume(manifest["step"])
+    engine.resume(manifest["step"] - (manifest.get("loss_scaler") or {}).get("skipped", 0))  # Adam's t: steps taken,
+    # less those fp16's loss scaler skipped (a skipped step advances no step counter)
     if stage and rank == 0:
         print(f"{stage}: resumed from {where} (saved by {manifest['stage']} on {manifest['world_size']} rank(s)) at "
               f"step {manifest['step']}", flush=True)

@@ -66,7 +66,7 @@ def pick_dtype(choice, device):
     fp32. torch says whether oneDNN has such a path; a short measured probe confirms it (a check that torch provides
     alone would also pick bf16 where oneDNN only emulates it)."""
     if choice != "auto":
-        return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice], f"--dtype {choice}"
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[choice], f"--dtype {choice}"
     if device.type == "cuda":  # bf16 in hardware from compute capability 8.0 (Ampere) on; torch.cuda.is_bf16_supported()
         # would also say yes where bf16 is only emulated, and slow (a V100 or T4)
         name, (major, minor) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)

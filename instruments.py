@@ -445,16 +445,24 @@ def progress(steps, start, args, rank):
         return tqdm(steps, initial=start, total=args.steps, dynamic_ncols=True)
     return steps
 
-def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak):
+def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak, scaler=None, grad_norm=0.0):
     """Rank 0's word on a step: the bar's figures (closed after the last step), or else a line now and then. tokens:
-    a step's, timed by the last of step_times (a step measured or profiled is not timed)."""
-    tok_s = tokens / (step_times or [math.inf])[-1]
+    a step's, timed by the last of step_times (a step measured or profiled is not timed). scaler: fp16's loss scaler's
+    state (vars), whose scale and skipped steps the figures show; a step it skipped (grad_norm non-finite) gets a line."""
+    tok_s, fp16 = tokens / (step_times or [math.inf])[-1], bool(scaler and scaler["enabled"])
+    if rank == 0 and fp16 and not math.isfinite(grad_norm) and not args.no_progress:
+        line = (f"{stage}: step {step + 1}: the fp16 gradient overflowed (on some rank), so every rank skipped the step; "
+                f"loss scale now {scaler['scale']:g}")
+        bar.write(line) if hasattr(bar, "write") else print(line, flush=True)
     if rank == 0 and hasattr(bar, "set_postfix"):
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB")
+        scaling = dict(scale=f"{scaler['scale']:g}", skipped=scaler["skipped"]) if fp16 else {}
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB", **scaling)
         if step + 1 == end:
             bar.close()
     elif rank == 0 and not args.no_progress and (step + 1 == end or (step + 1) % max(1, args.steps // 10) == 0):
-        print(f"{stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s", flush=True)
+        k = scaler["skipped"] if fp16 else 0
+        scaling = f", loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if fp16 else ""
+        print(f"{stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s{scaling}", flush=True)
 
 def summarize(stage, args, cfg, data, engine, history, measured, step_times, th, start, end, world_size, device):
     """The run's JSON summary (--out): losses, speed, and every ledger beside its formula; rank 0's, and every rank's
@@ -478,7 +486,10 @@ def summarize(stage, args, cfg, data, engine, history, measured, step_times, th,
 def report(summary, th):
     """What a run ends with: its loss and speed, then the memory table the project is about."""
     s, val = summary, f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "-"
-    print(f"{s['stage']}: val loss {val} (unigram {s['unigram_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s")
+    scaler = s.get("loss_scaler") or {}  # fp16's loss scaler: its scale at the end, and the steps it skipped
+    k = scaler.get("skipped", 0)
+    print(f"{s['stage']}: val loss {val} (unigram {s['unigram_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s"
+          + (f"; fp16 loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if scaler.get("enabled") else ""))
     print(memory_table(f"{s['stage']}, {s['dtype']}, {th['formula']}", s["model_state_bytes_per_rank"],
                        s["peak_memory_bytes_per_rank"], th["states"], th["host"],
                        {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items()}, th["comm"]))

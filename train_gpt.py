@@ -158,7 +158,7 @@ SHARDED["stage2"] = ("grads",) + SHARDED["stage1"]
 SHARDED["stage3"] = SHARDED["offload"] = ("params",) + SHARDED["stage2"]
 
 def bytes_per_param(param_bytes=2, grad_shards=1):
-    """Model-state bytes per parameter by category: 2 + 2 + K (K = 12) in bf16; 4 + 4 + 12 = 20 in fp32. ZeRO-Offload's
+    """Model-state bytes per parameter by category: 2 + 2 + K (K = 12) in bf16 or fp16, 4 + 4 + 12 in fp32. Offload's
     delayed update holds a second gradient shard (grad_shards=2), the one its CPU update reads while the next fills."""
     return {"params": param_bytes, "grads": grad_shards * param_bytes, "master": 4, "adam_m": 4, "adam_v": 4}
 
@@ -248,13 +248,37 @@ def sum_of_squares(t, block=1 << 20):
 class NonFiniteGradNorm(FloatingPointError):
     """The global gradient norm is NaN or infinite: no update may use it (main stops the run with one line)."""
 
+class LossScaler:
+    """fp16's dynamic loss scaling, with DeepSpeed's defaults. fp16's 5 exponent bits make a gradient below 2^-24 zero
+    and one above 65504 inf; so train_step multiplies the loss by `scale` before backward, and clip_coef divides it out
+    in the clipping coefficient. An overflow (a non-finite norm) skips the step and halves the scale, `window` steps in
+    a row without one double it, one at the `floor` stops the run. Off (scale 1) in bf16 and fp32: fp32's range."""
+    def __init__(self, enabled=False, scale=2.0**16, window=1000, floor=1.0):
+        self.enabled, self.scale, self.window, self.floor = enabled, scale if enabled else 1.0, window, floor
+        self.good_steps = self.skipped = 0  # steps since the last overflow; steps skipped in all. (Its state: vars().)
+
+    def update(self, finite):
+        """After each step, on every rank alike (the norm it reads is global)."""
+        if self.enabled and finite:
+            self.good_steps += 1
+            self.scale *= 2.0 if self.good_steps % self.window == 0 else 1.0
+        elif self.enabled:
+            self.scale, self.good_steps, self.skipped = max(self.scale / 2, self.floor), 0, self.skipped + 1
+
+scaler = LossScaler()  # main() turns it on for fp16; every engine's clip_coef reads it
+
 def clip_coef(norm, max_norm):
     """The factor torch.nn.utils.clip_grad_norm_ scales gradients by; --grad_clip 0 means no clipping (as in nanoGPT
     and DeepSpeed: scaling by 0 would silently stop learning). Every stage calls it before its update, so a non-finite
-    norm stops the run here, before any NaN reaches the master weights or a checkpoint."""
+    norm stops the run here, before any NaN reaches the master weights or a checkpoint. In fp16 the factor also unscales
+    (by a power of two: exactly), and a non-finite norm above the scaler's floor returns None: skip the step. Every
+    stage's norm is global (all-reduced, or the all-reduced gradient's): an overflow on any rank, and all ranks skip."""
     if not math.isfinite(norm):  # one host sync per step: the decision to update at all is the host's
-        raise NonFiniteGradNorm(f"{float(norm)}")
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
+        if scaler.enabled and scaler.scale > scaler.floor:
+            return None
+        raise NonFiniteGradNorm(f"{float(norm)}" + f" at the loss scale's floor ({scaler.floor:g})" * scaler.enabled)
+    norm = norm / scaler.scale
+    return ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)) / scaler.scale
 
 class SingleDeviceEngine:
     def __init__(self, model, args, device):
@@ -274,7 +298,8 @@ class SingleDeviceEngine:
         norm = sum(sum_of_squares(p.grad) for p in self.params).sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
         for optimizer, p in zip(self.optimizers, self.params):
-            optimizer.step([(slice(None), p.grad.float().mul_(coef))], lr)
+            if coef is not None:  # None: fp16 overflowed; the step is skipped (nothing changes, the gradient goes)
+                optimizer.step([(slice(None), p.grad.float().mul_(coef))], lr)
         for p, m in zip(self.params, self.master):
             p.data.copy_(m)
             p.grad = None
@@ -322,23 +347,24 @@ def train_step(engine, data, args, step, device, measured=None):
     """One optimizer step over the global batch; rank r takes slice (k*N + r) at micro-step k. With `measured`, also
     record there what this rank holds when the optimizer runs: the paper's model states, and everything else."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    loss_sum = torch.zeros((), device=device)
+    loss_sum, scale = torch.zeros((), device=device), scaler.scale  # fp16's loss scale (1 in bf16 and fp32)
     for k in range(args.grad_accum):
         x, y = data.batch("train", args.seed * 1_000_003 + step, args.batch_size, k * world_size + rank,
                           world_size * args.grad_accum, device)
         with torch.profiler.record_function("forward"):  # (marks for --profile; nearly free without a profiler)
             loss = engine.forward(x, y)
         with torch.profiler.record_function("backward"):
-            engine.backward(loss / args.grad_accum, sync=(k == args.grad_accum - 1))
+            engine.backward(loss / args.grad_accum * scale, sync=(k == args.grad_accum - 1))
         loss_sum += loss.detach().float() / args.grad_accum
     if measured is not None:
         measured.update(holdings(engine.model_states(), [data.train, data.val], device))
     with torch.profiler.record_function("step"):
-        grad_norm = engine.step(lr_at(step, args))
+        grad_norm = float(engine.step(lr_at(step, args))) / scale  # the norm of the true gradient (non-finite: skipped)
+    scaler.update(math.isfinite(grad_norm))
     sent = dict(comm.sent)
     if dist.is_initialized():
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
-    return loss_sum.item(), float(grad_norm), sent
+    return loss_sum.item(), grad_norm, sent
 
 def build_model(Engine, cfg, device, dtype):
     """The GPT on the device; for ZeRO-3's engines (Engine.from_meta) on the meta device, shapes without storage: the
@@ -365,9 +391,10 @@ def main(Engine, stage, distributed=True, formula=None):
     data = CharData(load_text(args.data), cfg.block_size)
     cfg.vocab_size = max(cfg.vocab_size, len(data.chars))
     dtype, why = from_rank0(pick_dtype(args.dtype, device) if rank == 0 else None)  # a timed probe must not split ranks
-    args.dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    args.dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    scaler.__init__(enabled=dtype == torch.float16)
     if rank == 0:
-        print(f"{stage}: {args.dtype} ({why})", flush=True)
+        print(f"{stage}: {args.dtype} ({why})" + f"; loss scale from {scaler.scale:g}" * scaler.enabled, flush=True)
     where, manifest, start, end, ckpt_dir = plan_checkpoints(args, cfg, data.chars, rank, world_size)
 
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
@@ -383,6 +410,8 @@ def main(Engine, stage, distributed=True, formula=None):
     history = dict(losses=[], grad_norms=[], val_losses=[])
     if manifest:  # the state, the step and the history of the checkpoint
         start, history = load_checkpoint(where, manifest, engine, device, stage), {k: manifest[k] for k in history}
+        if scaler.enabled and manifest.get("loss_scaler", {}).get("enabled"):  # (a bf16 or fp32 one: a new scaler)
+            vars(scaler).update(manifest["loss_scaler"])
     measure_step = start if start else min(1, end - 1)  # step 0 creates Adam's moments; step 1 is the steady state
     measured, step_times, bar = dict(peak=0), [], progress(range(start, end), start, args, rank)
     for step in bar:
@@ -405,14 +434,15 @@ def main(Engine, stage, distributed=True, formula=None):
         history["grad_norms"].append(grad_norm)
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             history["val_losses"].append((step + 1, evaluate(engine, data, args, device)))
-        log(bar, rank, stage, step, end, args, loss, args.batch_size * cfg.block_size, step_times, measured["peak"])
+        log(bar, rank, stage, step, end, args, loss, args.batch_size * cfg.block_size, step_times, measured["peak"],
+            vars(scaler), grad_norm)
         if ckpt_dir and checkpoint_due(step, end, args):
             meta = dict(stage=stage, config=vars(cfg), chars="".join(data.chars), **history,
-                        params={n: list(p.shape) for n, p in trained(model)})
+                        params={n: list(p.shape) for n, p in trained(model)}, loss_scaler=vars(scaler))
             save_checkpoint(ckpt_dir, engine, step + 1, meta, device)
 
     summary = summarize(stage, args, cfg, data, engine, history, measured, step_times, th, start, end, world_size,
-                        device)
+                        device) | dict(loss_scaler=vars(scaler))
     finish(summary, th, args, engine, end, ckpt_dir, device, distributed,  # the report, the files asked for, the exit
            lambda master: sample_text(dict(chars=data.chars, state_dict=master), GPT(cfg), args, device))
 
