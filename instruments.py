@@ -48,13 +48,25 @@ class CommLedger:
             return fn(*args, **kwargs)
         return self.timeline.collective(name, lambda: fn(*args, **kwargs), args, kwargs["async_op"])
 
+    def _average_first(self, t, op):
+        """gloo's AVG sums, then divides: in fp16, the sum of N ranks' loss-scaled gradients can overflow where their
+        average would not. NCCL's AVG multiplies each rank's part by 1/N before the sum (ncclAvg is its PreMulSum for
+        floating-point types), and so does this, for fp16 on gloo: t, the engine's buffer that the collective spends,
+        is divided in place, then summed. (Elsewhere, and in bf16 and fp32, `op` stays as it is.)"""
+        if op == dist.ReduceOp.AVG and t.dtype == torch.float16 and dist.get_backend() == "gloo":
+            t.div_(dist.get_world_size())
+            return dist.ReduceOp.SUM
+        return op
+
     def all_reduce(self, t, op=dist.ReduceOp.AVG, async_op=False):
         self.sent["all_reduce"] += 2 * t.numel() * t.element_size() * self._ring()
+        op = self._average_first(t, op)
         return self._call("all_reduce", dist.all_reduce, t, op=op, async_op=async_op)
 
     def reduce_scatter(self, out, inp, op=dist.ReduceOp.AVG, async_op=False):
         self.sent["reduce_scatter"] += inp.numel() * inp.element_size() * self._ring()
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        op = self._average_first(inp, op)
         return self._call("reduce_scatter", fn, out, inp, op=op, async_op=async_op)
 
     def all_gather(self, out, inp, async_op=False):
