@@ -113,12 +113,13 @@ def cpu_adam_source():
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")) as f:
         return f.read()
 
-# The compiler flags of each code path of cpu_adam.cpp: exactly the instructions torch's own CPU check promises for its
-# capability of that name (ATen reports AVX2 only with FMA, AVX512 only with AVX-512 VL, BW, DQ and FMA). Never
-# -march=native: a build cached in a shared home or a container image must run on every CPU that reports the path.
+# The compiler flags of each code path of cpu_adam.cpp: the instructions torch's own CPU check promises for its
+# capability of that name (ATen reports AVX2 only with FMA, AVX512 only with AVX-512 VL, BW, DQ and FMA), and F16C for
+# AVX2, which every AVX2 CPU has (F16C came a generation before AVX2 at Intel and at AMD). Never -march=native: a build
+# cached in a shared home or a container image must run on every CPU that reports the path.
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "avx2": ["-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "scalar": [],  # portable C++: the only path on aarch64 and other CPUs (no x86 flags there)
 }
 OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple's compiler has none: the kernel then runs on one thread
