@@ -28,7 +28,7 @@ def parse_args(Engine, presets, config, argv=None):
     p.add_argument("--grad_clip", type=float, default=1.0)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="parameters and gradients "
                    "(fp16 with dynamic loss scaling); auto: bf16 where it is fast (a GPU with bf16, a CPU with native "
-                   "bf16 matmul: AMX, AVX512-BF16), else fp32")
+                   "bf16 matmul: AMX, AVX512-BF16), fp16 on a GPU without (V100, T4), else fp32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval_every", type=int, default=100)
