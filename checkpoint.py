@@ -204,7 +204,8 @@ def load_checkpoint(where, manifest, engine, device, stage=None):
         torch.set_rng_state(shard["rng"])
         if shard["cuda_rng"] is not None and device.type == "cuda":  # (on a CPU run, touching CUDA makes a context)
             torch.cuda.set_rng_state(shard["cuda_rng"], device)
-    engine.resume(manifest["step"])
+    engine.resume(manifest["step"] - (manifest.get("loss_scaler") or {}).get("skipped", 0))  # Adam's t: steps taken,
+    # less those fp16's loss scaler skipped (a skipped step advances no step counter)
     if stage and rank == 0:
         print(f"{stage}: resumed from {where} (saved by {manifest['stage']} on {manifest['world_size']} rank(s)) at "
               f"step {manifest['step']}", flush=True)
@@ -257,6 +258,16 @@ def consolidate(path, out):
     atomic_write(out, lambda f: torch.save({"config": manifest["config"], "chars": manifest["chars"], "step": manifest["step"],
                                             "state_dict": state}, f))
     print(f"wrote {out}: {sum(t.numel() for t in state.values()):,} fp32 parameters after step {manifest['step']} of {where}")
+
+def sample_text(saved, model, args, device=torch.device("cpu")):
+    """Text that `model`, a GPT of the config `saved` was trained with, generates from a newline with saved's fp32
+    weights (a consolidated file's dict, or the one a run ends with)."""
+    model, chars = model.to(device), saved["chars"]
+    model.load_state_dict({**saved["state_dict"], "lm_head.weight": saved["state_dict"]["wte.weight"]})  # the tied head
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    start = torch.full((1, 1), chars.index("\n") if "\n" in chars else 0, dtype=torch.long, device=device)
+    out = model.generate(start, args.sample_chars, generator=g)[0].tolist()
+    return "--- sample ---\n" + "".join(chars[i] for i in out if i < len(chars)) + "\n--------------"
 
 def load_consolidated(path):
     """The file --consolidate writes, or one line saying what --sample takes."""

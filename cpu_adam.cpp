@@ -15,7 +15,8 @@
 // whether its lerp and addcmul are fused depends on its build and on the CPU (not on its scalar DEFAULT path).
 // The hyperparameters are checked as torch checks them: lr, eps, weight_decay >= 0, betas in [0, 1).
 //
-// grad_scale is the caller's gradient-clipping coefficient (1.0 when nothing is clipped). Applied here, in the same
+// grad_scale is the caller's gradient-clipping coefficient (1.0 when nothing is clipped); in fp16 it also divides
+// out the loss scale (train_gpt.clip_coef folds both into one factor). Applied here, in the same
 // pass, it saves the caller a pass of its own that scales an fp32 copy of the gradient: for a bf16 gradient, a
 // temporary of 4 bytes per parameter and ~16 bytes per parameter of memory traffic on top of the step's 26-28.
 // It is rounded to fp32 first, as torch rounds a Python scalar that multiplies an fp32 tensor, so the result is
@@ -35,14 +36,17 @@
 // out, and the build passes -ffp-contract=off so that the compiler adds none of its own.
 // The loader (load_cpu_adam) picks the path from torch's own CPU check and compiles it with explicit
 // flags, never -march=native: AVX-512 with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma, AVX2 with
-// -mavx2 -mfma, scalar with none (the only path on aarch64, where the compiler may still vectorise it with NEON).
+// -mavx2 -mfma -mf16c (every AVX2 CPU has F16C), scalar with none (the only path on aarch64, where the compiler may
+// still vectorise it with NEON).
 // isa() reports the path that was compiled, and the module is named after it (cpu_adam_avx2, ...), so a build
 // cached on one CPU (a shared home, a container image) is never loaded on a CPU that cannot run it.
 // set_threads(n) sets the threads of this kernel's parallel region only (torch's own thread count is untouched);
 // the loader gives each rank its share of the node's cores.
-// bf16 gradients are widened to fp32 with a shift (exact), then scaled. The optional `param_out` receives the
-// updated parameters in the same pass (fp32, or bf16 rounded to nearest even: what ZeRO-Offload copies back to
-// the device).
+// bf16 and fp16 gradients are widened to fp32 (exactly: a shift; vcvtph2ps, or its portable equivalent), then scaled.
+// The optional `param_out` receives the updated parameters in the same pass (fp32, or bf16 or fp16 rounded to
+// nearest even: what ZeRO-Offload copies back to the device). fp16's narrowing is vcvtps2ph on the vector paths
+// and integer arithmetic on the portable one, the same bits: ties to even, overflow to inf, subnormals kept (no
+// flush to zero), and NaN as the quiet NaN 0x7e00 (bf16's: 0x7fc0).
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -57,7 +61,7 @@
 #if defined(__AVX512F__) && defined(__FMA__)
 #define CPU_ADAM_AVX512 1
 #include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CPU_ADAM_AVX2 1
 #include <immintrin.h>
 #endif
@@ -116,10 +120,35 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays a 
     const uint16_t rounded = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     return f != f ? uint16_t(0x7fc0) : rounded;  // a select, not a branch: the loop stays vectorisable
 }
+
+// ---- fp16 <-> fp32 (IEEE binary16: 5 exponent bits, bias 15; 10 mantissa bits). Branch-free, like bf16's: selects.
+struct Half { uint16_t bits; };  // fp16 (bf16 is a plain uint16_t)
+inline float half_to_float(uint16_t h) {  // exact
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, rest = uint32_t(h & 0x7fffu) << 13, m = h & 0x3ffu;
+    float sub = float(m) * 5.9604644775390625e-8f;  // exponent 0: m * 2^-24 (m < 2^10: exact), zero included
+    uint32_t s; std::memcpy(&s, &sub, 4);
+    const uint32_t e = h & 0x7c00u, u = e == 0x7c00u ? (rest | 0x7f800000u | (m ? 0x00400000u : 0u))  // inf, quiet NaN
+                                      : e == 0 ? s : rest + 0x38000000u;  // normal: rebias 15 -> 127
+    const uint32_t w = sign | u; float f; std::memcpy(&f, &w, 4); return f;
+}
+inline uint16_t float_to_half(float f) {  // round to nearest even, NaN -> 0x7e00
+    uint32_t u; std::memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    // |f| < 2^-14 (a subnormal half, or 0): adding 0.5 rounds |f| to a multiple of 2^-24, the subnormal half's step,
+    // to nearest even (the sum's ulp is 2^-24); the sum's low bits are then the half (0x400 if it rounds up to 2^-14)
+    float sub = std::fabs(f) + 0.5f;
+    uint32_t s; std::memcpy(&s, &sub, 4);
+    // a normal half: rebias 127 -> 15 and round off 13 bits to nearest even; a carry may reach the exponent, even inf
+    const uint32_t normal = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    const uint32_t h = a >= 0x47800000u ? 0x7c00u : a < 0x38800000u ? s - 0x3f000000u : normal;  // >= 2^16: inf
+    return f != f ? uint16_t(0x7e00) : uint16_t(sign | h);
+}
 inline float load1(const float* g, int64_t i) { return g[i]; }
 inline float load1(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
+inline float load1(const Half* g, int64_t i) { return half_to_float(g[i].bits); }
 inline void store1(float* o, int64_t i, float x) { o[i] = x; }
 inline void store1(uint16_t* o, int64_t i, float x) { o[i] = float_to_bf16(x); }
+inline void store1(Half* o, int64_t i, float x) { o[i].bits = float_to_half(x); }
 
 // One element, the reference math (scalar path and tails).
 template <typename G, typename O>
@@ -155,6 +184,12 @@ struct Simd {
         u = _mm512_mask_blend_epi32(nan, u, _mm512_set1_epi32(0x7fc00000));
         _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
     }
+    static F load(const Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x)); }  // 16 fp16
+    static void store(Half* o, F x) {  // vcvtps2ph to nearest even; NaN -> 0x7e00, as the portable path has it
+        __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        h = _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), h, _mm256_set1_epi16(0x7e00));
+        _mm256_storeu_si256((__m256i*)o, h);
+    }
     static F add(F a, F b) { return _mm512_add_ps(a, b); }
     static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -181,6 +216,13 @@ struct Simd {
         u = _mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc00000), nan);
         u = _mm256_srli_epi32(u, 16);  // 8 x 16-bit values in 32-bit lanes: pack the two halves
         _mm_storeu_si128((__m128i*)o, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+    }
+    static F load(const Half* x) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)x)); }  // 8 fp16 (F16C)
+    static void store(Half* o, F x) {  // vcvtps2ph to nearest even; NaN -> 0x7e00, as the portable path has it
+        __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // 8 x 32-bit masks -> 8 x 16-bit
+        __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
+        _mm_storeu_si128((__m128i*)o, _mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), nan16));
     }
     static F add(F a, F b) { return _mm256_add_ps(a, b); }
     static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
@@ -230,15 +272,25 @@ void adam_all(float* p, const G* g, float* m, float* v, O* out, int64_t n, const
     for_each_tile(p, n, kTile, [&](int64_t b, int64_t e) { adam_tile(p, g, m, v, out, b, e, h); });
 }
 
-void check(const at::Tensor& t, const char* name, int64_t n, bool allow_bf16) {
+void check(const at::Tensor& t, const char* name, int64_t n, bool allow_16) {
     TORCH_CHECK(t.device().is_cpu(), "adam_step: ", name, " is on ", t.device(), "; pass a CPU tensor (.cpu())");
-    TORCH_CHECK(t.scalar_type() == at::kFloat || (allow_bf16 && t.scalar_type() == at::kBFloat16), "adam_step: ",
-                name, " has dtype ", t.scalar_type(), "; it must be float32", allow_bf16 ? " or bfloat16" : "",
+    const bool is16 = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+    TORCH_CHECK(t.scalar_type() == at::kFloat || (allow_16 && is16), "adam_step: ", name, " has dtype ",
+                t.scalar_type(), "; it must be float32", allow_16 ? ", bfloat16 or float16" : "",
                 " (convert it once, outside the step)");
     TORCH_CHECK(t.is_contiguous(), "adam_step: ", name, " is not contiguous; pass a contiguous tensor (e.g. a "
                 "flat buffer). No hidden copy is made: an update of a copy would be lost");
     TORCH_CHECK(t.numel() == n, "adam_step: ", name, " has ", t.numel(), " elements but param has ", n,
                 "; all tensors must have the same number of elements");
+}
+
+// f(pointer) with the pointer typed by dtype: float, bf16 (uint16_t) or fp16 (Half). One instantiation of the
+// loops per pair of gradient and param_out types.
+template <typename F>
+void with_type(at::ScalarType dtype, void* ptr, F f) {
+    if (dtype == at::kBFloat16) f(static_cast<uint16_t*>(ptr));
+    else if (dtype == at::kHalf) f(static_cast<Half*>(ptr));
+    else f(static_cast<float*>(ptr));
 }
 
 }  // namespace
@@ -270,20 +322,13 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
     const Hyper h{float(1.0 - lr * weight_decay), float(1.0 - beta1), float(beta2), float(1.0 - beta2),
                   float(-(lr / bc1)), float(std::pow(bc2, 0.5)), float(eps), scale};
     float *p = param.data_ptr<float>(), *m = exp_avg.data_ptr<float>(), *v = exp_avg_sq.data_ptr<float>();
-    const bool g16 = grad.scalar_type() == at::kBFloat16;
-    const auto* gf = static_cast<const float*>(grad.data_ptr());
-    const auto* gb = static_cast<const uint16_t*>(grad.data_ptr());
-    void* o = param_out ? param_out->data_ptr() : nullptr;
-    const bool o16 = param_out && param_out->scalar_type() == at::kBFloat16;
+    void* o = param_out ? param_out->data_ptr() : nullptr;  // (no param_out: a null float*)
+    const at::ScalarType o_type = param_out ? param_out->scalar_type() : at::kFloat;
 
     pybind11::gil_scoped_release no_gil;  // let other Python threads run during the step
-    if (!o16) {
-        auto* of = static_cast<float*>(o);
-        g16 ? adam_all(p, gb, m, v, of, n, h) : adam_all(p, gf, m, v, of, n, h);
-    } else {
-        auto* ob = static_cast<uint16_t*>(o);
-        g16 ? adam_all(p, gb, m, v, ob, n, h) : adam_all(p, gf, m, v, ob, n, h);
-    }
+    with_type(grad.scalar_type(), grad.data_ptr(), [&](auto* g) {
+        with_type(o_type, o, [&](auto* out) { adam_all(p, g, m, v, out, n, h); });
+    });
 }
 
 // The code path this build was compiled with: "avx512", "avx2" or "scalar".

@@ -20,6 +20,18 @@ def pinned_bytes(nbytes):
     the next power of two (and kept for reuse once freed). Pageable memory is not rounded."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
+def host_categories(stage, offload_params=False):
+    """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device."""
+    return ("grads", "master", "adam_m", "adam_v") + ("params",) * offload_params if stage == "offload" else ()
+
+def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
+    """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
+    one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
+    updated parameters, and with --offload_params the parameter shard. (fp32 master and moments stay pageable.)"""
+    if stage != "offload":
+        return 0
+    return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
+
 class CommLedger:
     """The collectives the stages call, each counting the bytes this rank sends (ring algorithm), and timed when a
     Timeline is attached (--timeline: one step's timeline)."""
@@ -36,13 +48,25 @@ class CommLedger:
             return fn(*args, **kwargs)
         return self.timeline.collective(name, lambda: fn(*args, **kwargs), args, kwargs["async_op"])
 
+    def _average_first(self, t, op):
+        """gloo's AVG sums, then divides: in fp16, the sum of N ranks' loss-scaled gradients can overflow where their
+        average would not. NCCL's AVG multiplies each rank's part by 1/N before the sum (ncclAvg is its PreMulSum for
+        floating-point types), and so does this, for fp16 on gloo: t, the engine's buffer that the collective spends,
+        is divided in place, then summed. (Elsewhere, and in bf16 and fp32, `op` stays as it is.)"""
+        if op == dist.ReduceOp.AVG and t.dtype == torch.float16 and dist.get_backend() == "gloo":
+            t.div_(dist.get_world_size())
+            return dist.ReduceOp.SUM
+        return op
+
     def all_reduce(self, t, op=dist.ReduceOp.AVG, async_op=False):
         self.sent["all_reduce"] += 2 * t.numel() * t.element_size() * self._ring()
+        op = self._average_first(t, op)
         return self._call("all_reduce", dist.all_reduce, t, op=op, async_op=async_op)
 
     def reduce_scatter(self, out, inp, op=dist.ReduceOp.AVG, async_op=False):
         self.sent["reduce_scatter"] += inp.numel() * inp.element_size() * self._ring()
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        op = self._average_first(inp, op)
         return self._call("reduce_scatter", fn, out, inp, op=op, async_op=async_op)
 
     def all_gather(self, out, inp, async_op=False):
@@ -440,16 +464,24 @@ def progress(steps, start, args, rank):
         return tqdm(steps, initial=start, total=args.steps, dynamic_ncols=True)
     return steps
 
-def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak):
+def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak, scaler=None, grad_norm=0.0):
     """Rank 0's word on a step: the bar's figures (closed after the last step), or else a line now and then. tokens:
-    a step's, timed by the last of step_times (a step measured or profiled is not timed)."""
-    tok_s = tokens / (step_times or [math.inf])[-1]
+    a step's, timed by the last of step_times (a step measured or profiled is not timed). scaler: fp16's loss scaler's
+    state (vars), whose scale and skipped steps the figures show; a step it skipped (grad_norm non-finite) gets a line."""
+    tok_s, fp16 = tokens / (step_times or [math.inf])[-1], bool(scaler and scaler["enabled"])
+    if rank == 0 and fp16 and not math.isfinite(grad_norm) and not args.no_progress:
+        line = (f"{stage}: step {step + 1}: the fp16 gradient overflowed (on some rank), so every rank skipped the step; "
+                f"loss scale now {scaler['scale']:g}")
+        bar.write(line) if hasattr(bar, "write") else print(line, flush=True)
     if rank == 0 and hasattr(bar, "set_postfix"):
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB")
+        scaling = dict(scale=f"{scaler['scale']:g}", skipped=scaler["skipped"]) if fp16 else {}
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB", **scaling)
         if step + 1 == end:
             bar.close()
     elif rank == 0 and not args.no_progress and (step + 1 == end or (step + 1) % max(1, args.steps // 10) == 0):
-        print(f"{stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s", flush=True)
+        k = scaler["skipped"] if fp16 else 0
+        scaling = f", loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if fp16 else ""
+        print(f"{stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s{scaling}", flush=True)
 
 def summarize(stage, args, cfg, data, engine, history, measured, step_times, th, start, end, world_size, device):
     """The run's JSON summary (--out): losses, speed, and every ledger beside its formula; rank 0's, and every rank's
@@ -485,7 +517,10 @@ def activation_checkpoints(args, cfg, world_size):
 def report(summary, th):
     """What a run ends with: its loss and speed, then the memory table the project is about."""
     s, val = summary, f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "-"
-    print(f"{s['stage']}: val loss {val} (unigram {s['unigram_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s")
+    scaler = s.get("loss_scaler") or {}  # fp16's loss scaler: its scale at the end, and the steps it skipped
+    k = scaler.get("skipped", 0)
+    print(f"{s['stage']}: val loss {val} (unigram {s['unigram_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s"
+          + (f"; fp16 loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if scaler.get("enabled") else ""))
     print(memory_table(f"{s['stage']}, {s['dtype']}, {th['formula']}", s["model_state_bytes_per_rank"],
                        s["peak_memory_bytes_per_rank"], th["states"], th["host"],
                        {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items()}, th["comm"]))

@@ -50,9 +50,8 @@ class Copies:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
-        for t in (src, dst):
-            if t.is_cuda:
-                t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+        for t in [t for t in (src, dst) if t.is_cuda]:
+            t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
         return dst
 
     def event(self):  # fires when every copy queued so far has landed
@@ -144,8 +143,7 @@ class OffloadEngine:
             self.spare_grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
             self.updater = ThreadPoolExecutor(1)
         # [/DPU]
-        self.update = self.grads_on_host = None  # a delayed update in flight; the event of the gradients' copies
-        self.in_flight = []
+        self.update, self.grads_on_host, self.in_flight = None, None, []  # a delayed update; the gradient copies' event
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
         self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
@@ -274,15 +272,18 @@ class OffloadEngine:
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets).to(self.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        coef = float(clip_coef(norm, self.args.grad_clip))
-        self.adam_step += 1
+        coef = clip_coef(norm, self.args.grad_clip)
+        if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+            self.grad_shard.zero_()
+            return norm
+        self.adam_step, coef = self.adam_step + 1, float(coef)
         if not self.args.delayed_update:
             self._cpu_update(self.grad_shard, self.adam_step, lr, coef, send=True)
             self.copies.compute_waits(self.copies.event())  # the next forward gathers the new parameters
             return norm
         # [/Offload]
         # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
-        self._finish_update()
+        self._finish_update()  # (after a step skipped for an fp16 overflow: the update from the step before it)
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
         self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.adam_step, lr, coef)
         return norm

@@ -2,7 +2,7 @@
 options.py: every option a run takes, with its default (`--help` lists them), and the checks that refuse a bad one,
 with one line that names the fix, before any work starts.
 """
-import argparse
+import argparse, os, re
 from dataclasses import fields
 
 from checkpoint import add_checkpoint_args
@@ -28,8 +28,9 @@ def parse_args(Engine, presets, config, argv=None):
     p.add_argument("--grad_clip", type=float, default=1.0)
     p.add_argument("--checkpoint_activations", action="store_true", help="each transformer block keeps only its input "
                    "for backward, which runs the block's forward again (torch.utils.checkpoint, non-reentrant)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="parameters and gradients; auto: "
-                   "bf16 where it is fast (a GPU with bf16, a CPU with native bf16 matmul: AMX, AVX512-BF16), else fp32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="parameters and gradients "
+                   "(fp16 with dynamic loss scaling); auto: bf16 where it is fast (a GPU with bf16, a CPU with native "
+                   "bf16 matmul: AMX, AVX512-BF16), fp16 on a GPU without (V100, T4), else fp32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval_every", type=int, default=100)
@@ -68,6 +69,16 @@ def check_args(args, world_size):
         raise SystemExit("error: --save_every must be 0 or more and --stop_after at least 1")
     if args.save_every and not args.ckpt_dir:
         raise SystemExit("error: --save_every needs --ckpt_dir DIR, the directory to save into")
+
+def load_text(path):
+    """The text of --data; without one, a corpus that ships with every CPython (the text of its pydoc topics)."""
+    if path is None:  # runs of spaces (its indented grammar and tables) collapsed, so samples read as prose
+        from pydoc_data.topics import topics
+        return re.sub(" {2,}", " ", "\n\n".join(topics[k] for k in sorted(topics)))
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --data {path}: no such file; pass a UTF-8 text file (or none: the built-in corpus)")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 def gpt_config(args, presets, config):
     """The preset's GPT (a `config`) with the --n_layer ... overrides given."""

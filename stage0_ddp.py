@@ -103,6 +103,10 @@ class DDPEngine:
         self.sync = False  # this gradient is used up: the next step needs another backward
         norm = sum(sum_of_squares(b.grad) for b in self.buckets).sqrt()  # every rank holds the whole averaged gradient
         coef = clip_coef(norm, self.args.grad_clip)
+        if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+            for b in self.buckets:
+                b.grad.zero_()
+            return norm
         # AdamW bucket by bucket: one bucket's gradient in fp32 at a time, never a copy of the whole gradient
         self.optimizer.step(((slice(b.start, b.end), b.grad.float().mul_(coef)) for b in self.buckets), lr)
         for b in self.buckets:

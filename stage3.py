@@ -200,6 +200,9 @@ class ZeRO3Engine:
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
+        if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+            self.grad_shard.zero_()
+            return norm
         self.optimizer.step(((self._shard(b), self.grad_shard[self._shard(b)].float().mul_(coef))
                              for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
         # [/ZeRO-1]

@@ -293,8 +293,9 @@ def main(argv=None):
     p.add_argument("--n_embd", type=int, default=128)
     p.add_argument("--block_size", type=int, default=None)
     p.add_argument("--vocab_size", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="auto (default): what train_gpt picks, bf16 where this machine computes it fast, else fp32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto (default): what train_gpt picks, bf16 where this machine computes it fast, fp16 on a GPU "
+                   "without bf16, else fp32")
     p.add_argument("--steps", type=int, default=5, help="at least 3: step 1 is measured, later ones timed (default 5)")
     p.add_argument("--batch_size", type=int, default=16, help="global batch in sequences (a multiple of every N)")
     p.add_argument("--lr", type=float, default=2e-3, help="min_lr is a tenth of it")

@@ -132,7 +132,7 @@ class Prober:
         from train_gpt import CharData, load_text
         self.opts, self.rank, self.world_size, self.device = opts, rank, world_size, device
         self.dtype, why = from_rank0(pick_dtype(opts.dtype, device) if rank == 0 else None)
-        self.dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
+        self.dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
         self.data = CharData(load_text(None), opts.block_size)
         self.budget, self.said = opts.budget_mb * MiB, {}
         # host memory: what the node has available at the start, shared by its ranks (less a margin for the process
@@ -365,7 +365,7 @@ def render_table(result, beside=None):
 def headline(rows):
     """The ratios the papers lead with, measured, beside what the model states alone would give (in the run's dtype)."""
     get = {(r["stage"], r["world_size"]): r["largest_params"] for r in rows}
-    param = 2 if rows[0].get("dtype", "bf16") == "bf16" else 4  # offload keeps only the parameters on the device
+    param = 4 if rows[0].get("dtype", "bf16") == "fp32" else 2  # offload keeps only the parameters on the device
     whole = 2 * param + 12  # stage 0's model states per parameter: parameters, gradients, fp32 master and Adam
     out = []
     if get.get(("stage3", 4)) and get.get(("stage0", 4)):
@@ -463,7 +463,7 @@ def main(argv=None):
     p.add_argument("--n_head", type=int, default=4)
     p.add_argument("--block_size", type=int, default=64)
     p.add_argument("--micro_batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: train_gpt's choice")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="auto: train_gpt's choice")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="a small budget and width: under 3 minutes on 2 cores")
     p.add_argument("--host_budget_mb", type=float, default=None, help="host memory per rank for offload's states "

@@ -42,6 +42,12 @@ from results import add_flag as results_flag, publish
 from train_gpt import clip_coef, main, trained
 
 
+def _no_fp16(args):
+    """The torch peers train in bf16 or fp32: they have no loss scaler, so an fp16 overflow would reach their update."""
+    if args.dtype == "fp16":
+        raise SystemExit("error: bench/peers.py: the torch peers have no fp16 loss scaler; pass -- --dtype bf16 (or fp32)")
+
+
 def _broadcast_from_rank0(model):
     """main seeds each rank differently; every stage starts from rank 0's weights, so do the peers."""
     for p in model.parameters():
@@ -100,6 +106,7 @@ class DDPPeer:
 
     def __init__(self, model, args, device):
         from torch.nn.parallel import DistributedDataParallel as DDP
+        _no_fp16(args)
         self.model, self.args = model, args
         self.ddp = DDP(model)  # broadcasts rank 0's parameters at construction
         self.params = list(model.parameters())
@@ -157,6 +164,7 @@ class ZeroRedundancyPeer(DDPPeer):
     def __init__(self, model, args, device):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
+        _no_fp16(args)
         self.model, self.args = model, args
         self.ddp = DDP(model)
         self.params = list(model.parameters())
@@ -209,6 +217,7 @@ class FSDP2Peer:
 
     def __init__(self, model, args, device):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        _no_fp16(args)
         self.model, self.args = model, args
         _broadcast_from_rank0(model)  # in bf16, as built: the fp32 masters then equal our stages' float(bf16) ones
         model.float()  # main builds in --dtype; FSDP2's sharded params must be fp32 to be the masters

@@ -1,6 +1,8 @@
 """The C++ AdamW (cpu_adam.cpp), on every code path this CPU can run (AVX-512, AVX2, scalar): bit for bit against an
 independent float64 reference of the same operations in the same order, each rounded once to fp32; and, element by
-element within a few ulps, against torch.optim.AdamW, whose last bits depend on the CPU's math library."""
+element within a few ulps, against torch.optim.AdamW, whose last bits depend on the CPU's math library. Its fp16
+conversions (gradients in, parameters out), element by element against torch's, over every fp16 value and every
+rounding boundary."""
 import math
 import platform
 import shutil
@@ -113,8 +115,14 @@ def reference_step(p, g, m, v, step, lr, beta1, beta2, eps, wd, scale):
 
 
 def bits(t):
-    """The fp32 or bf16 bit patterns of a tensor (tells -0 from +0; NaN equals NaN of the same pattern)."""
+    """The fp32, bf16 or fp16 bit patterns of a tensor (tells -0 from +0; NaN equals NaN of the same pattern)."""
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def to_fp16_bits(x):
+    """fp32 -> fp16 bits as torch converts them (to nearest even), with NaN as the kernel's quiet NaN 0x7e00."""
+    h = bits(torch.from_numpy(np.ascontiguousarray(x, np.float32)).half()).numpy()
+    return np.where(np.isnan(x), np.int16(0x7E00), h)
 
 
 def assert_bits_equal(ours, ref, what):
@@ -131,6 +139,9 @@ def assert_bits_equal(ours, ref, what):
 # gradients, gradients that are powers of two.
 SPECIAL_G = [0.0, -0.0, 1e-40, -3e-39, 1e-20, -1e-22, 3e18, -2e19, 1.0, -0.5, 2.0 ** -126, 1.0 + 2.0 ** -23]
 SPECIAL_P = [1e-39, -0.0, 0.0, 1e30, -1e-30, 5.0, -7.0, 1.0, 2.0 ** -149, -2.0 ** -149, 3.0, 0.1]
+# fp16 gradients: its subnormals (the smallest, 2^-24, and others), the smallest normal 2^-14, the largest value 65504
+SPECIAL_G16 = [0.0, -0.0, 2.0 ** -24, -3 * 2.0 ** -20, 2.0 ** -14, -(2.0 ** -14), 65504.0, -65504.0, 1.0, -0.5,
+               1.0 + 2.0 ** -10, 3e-5]
 
 
 def random_state(n, grad_dtype, seed):
@@ -139,28 +150,75 @@ def random_state(n, grad_dtype, seed):
     k = min(n, len(SPECIAL_P))
     p[:k] = torch.tensor(SPECIAL_P[:k])
     grads = []
+    special = SPECIAL_G16 if grad_dtype == torch.float16 else SPECIAL_G  # (inside fp16's range, for fp16)
     for step in range(6):
         g = torch.randn(n, generator=gen)
-        g[:k] = torch.tensor(SPECIAL_G[:k]) * (1 - 2 * (step % 2))  # signs change between steps
+        g[:k] = torch.tensor(special[:k]) * (1 - 2 * (step % 2))  # signs change between steps
         grads.append(g.to(grad_dtype))
     return p, m, v, grads
 
 
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 15, 17, 100_003])  # below one vector, a vector and a tail, two tiles (2 threads)
-def test_bit_exact_against_reference(kernel, n, grad_dtype):
+def test_bit_exact_against_reference(kernel, n, grad_dtype, out_dtype):
     """Six steps from a mid-training state, lr, weight decay and grad_scale changing between steps: p, m, v and the
-    bf16 copy of p equal the reference bit for bit."""
+    bf16 or fp16 copy of p equal the reference bit for bit."""
     p, m, v, grads = random_state(n, grad_dtype, seed=n)
     rp, rm, rv = (t.numpy().copy() for t in (p, m, v))
-    out = torch.empty(n, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=out_dtype)
     for step, g in enumerate(grads, 1):
         lr, wd, scale = LRS[step - 1], [0.1, 0.0][step % 2], SCALES[step % len(SCALES)]
         kernel.adam_step(p, g, m, v, out, step, lr, *BETAS, EPS, wd, scale)
         rp, rm, rv = reference_step(rp, g.float().numpy(), rm, rv, step, lr, *BETAS, EPS, wd, scale)
         for ours, ref, name in ((p, rp, "p"), (m, rm, "exp_avg"), (v, rv, "exp_avg_sq")):
             assert_bits_equal(ours, ref, f"{kernel.isa()} step {step} {name}")
-        assert_bits_equal(out, to_bf16_bits(rp).view(np.int16), f"{kernel.isa()} step {step} bf16 param_out")
+        low = to_bf16_bits(rp).view(np.int16) if out_dtype == torch.bfloat16 else to_fp16_bits(rp)
+        assert_bits_equal(out, low, f"{kernel.isa()} step {step} {out_dtype} param_out")
+
+
+def every_fp16():
+    """All 65536 fp16 bit patterns, as a float16 tensor (both zeros, subnormals, normals, both infinities, NaNs)."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+
+def rounding_boundaries():
+    """fp32 values where fp32 -> fp16 is easy to get wrong: every finite fp16 value, each midpoint between neighbours
+    (a tie: to even) and the fp32 values on either side of it, in the subnormal range and the normal; the overflow
+    boundary (65504 the largest; from 65520, the midpoint to 2^16, inf); values below half the smallest subnormal
+    (to zero); infinities, NaNs; and a million random fp32 bit patterns, over the whole range. Both signs."""
+    h = every_fp16().float()
+    finite = h[torch.isfinite(h) & (h >= 0)].unique()  # sorted: 0, the subnormals, the normals, 65504
+    mid = ((finite[:-1].double() + finite[1:].double()) / 2).float()  # exact in fp32 (12 significant bits)
+    up, down = torch.nextafter(mid, torch.tensor(math.inf)), torch.nextafter(mid, torch.tensor(0.0))
+    edges = torch.tensor([65504.0, 65519.996, 65520.0, 65536.0, 1e5, 3e38, math.inf, math.nan, 2.0**-25,
+                          2.0**-25 * (1 + 2.0**-23), 2.0**-26, 1e-45, 2.0**-14 * (1 - 2.0**-11)])
+    rnd = torch.from_numpy(np.random.default_rng(0).integers(0, 2**32, 1_000_000, dtype=np.uint64)
+                           .astype(np.uint32).view(np.float32))
+    x = torch.cat([finite, mid, up, down, edges])
+    return torch.cat([x, -x, rnd])
+
+
+def test_fp16_conversions_match_torch(kernel):
+    """fp16 gradients are widened exactly: with beta1 = 0 and no other term, m after one step is the gradient itself,
+    for every fp16 value. Parameters are narrowed to fp16 as torch's .half() does, to nearest even, on every boundary:
+    with lr = 0 the step leaves p as it is, and param_out is fp16(p) (a NaN is the quiet NaN 0x7e00). Sizes not a
+    multiple of the vector width: the vector loop and the portable tail both convert."""
+    g = every_fp16()
+    n = g.numel()
+    p, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    kernel.adam_step(p, g, m, v, None, 1, 0.0, 0.0, BETAS[1], EPS, 0.0, 1.0)
+    want = g.float()
+    wrong = ~((m == want) | (m.isnan() & want.isnan()))
+    assert not bool(wrong.any()), (f"{kernel.isa()}: fp16 gradients widened wrong at "
+                                   f"{g[wrong][:5].tolist()}: {m[wrong][:5].tolist()}")
+    x = rounding_boundaries()
+    n = x.numel()
+    p, out = x.clone(), torch.empty(n, dtype=torch.float16)
+    kernel.adam_step(p, torch.zeros(n, dtype=torch.float16), torch.zeros(n), torch.zeros(n), out, 1, 0.0, *BETAS,
+                     EPS, 0.0, 1.0)
+    assert torch.equal(bits(p)[~x.isnan()], bits(x)[~x.isnan()])  # lr = 0: p itself unchanged
+    assert_bits_equal(out, to_fp16_bits(x.numpy()), f"{kernel.isa()} fp16 param_out of fp32 values")
 
 
 def exact_fp32(x):
@@ -224,7 +282,7 @@ def test_fused_multiply_adds_round_once(kernel):
     assert torch.equal(bits(mm[idx]), bits(torch.from_numpy(fma32(a.numpy(), b.numpy(), c.numpy()))))
 
 
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [127, 2**20 + 3])
 def test_matches_torch_adamw(kernel, n, grad_dtype):
     """Against torch.optim.AdamW from the same start, within a few ulps (why those bounds: see below)."""
@@ -391,7 +449,8 @@ def _args(n=64, **over):
     [
         (dict(exp_avg=torch.zeros(128)[::2]), ["exp_avg", "not contiguous", "no hidden copy"]),
         (dict(param=torch.zeros(8, 16).t()), ["param", "not contiguous"]),
-        (dict(grad=torch.zeros(64, dtype=torch.float16)), ["grad", "Half", "float32 or bfloat16"]),
+        (dict(grad=torch.zeros(64, dtype=torch.float64)), ["grad", "Double", "float32, bfloat16 or float16"]),
+        (dict(out=torch.zeros(64, dtype=torch.int16)), ["param_out", "Short", "float32, bfloat16 or float16"]),
         (dict(param=torch.zeros(64, dtype=torch.float64)), ["param", "Double", "float32"]),
         (dict(exp_avg_sq=torch.zeros(63)), ["exp_avg_sq", "63 elements", "64"]),
         (dict(out=torch.zeros(65, dtype=torch.bfloat16)), ["param_out", "65 elements"]),

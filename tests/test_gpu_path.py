@@ -1,6 +1,7 @@
-"""The decisions the CUDA path takes, checked on a CPU by giving them a GPU's answers: the dtype --dtype auto picks,
-the C++ AdamW's threads beside a delayed update, what bench/largest.py refuses to run on a GPU, and what
-bench/compare.py counts as "other" memory when the peak is the device's alone. (Where tensors live on a GPU is
+"""The decisions the CUDA path takes, checked on a CPU by giving them a GPU's answers: the dtype --dtype auto picks
+(bf16 where the GPU computes it, else fp16 with loss scaling), the C++ AdamW's threads beside a delayed update, what
+bench/largest.py refuses to run on a GPU, and what bench/compare.py counts as "other" memory when the peak is the
+device's alone. (Where tensors live on a GPU is
 tests/test_fake_cuda.py's part; what a real GPU does, tests/test_gpu.py's.)"""
 import sys
 
@@ -16,17 +17,21 @@ import compare  # noqa: E402
 import largest  # noqa: E402
 
 
-@pytest.mark.parametrize("capability, dtype", [((7, 0), torch.float32), ((7, 5), torch.float32),
-                                               ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
-def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(monkeypatch, capability, dtype):
-    """A V100 (7.0) or T4 (7.5) emulates bf16, slowly, though torch.cuda.is_bf16_supported() says yes there: fp32.
-    An A100 (8.0) or H100 (9.0) computes it: bf16. The reason names the GPU and its capability."""
+@pytest.mark.parametrize("capability, dtype", [((6, 0), torch.float16), ((7, 0), torch.float16),
+                                               ((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                                               ((8, 9), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_dtype_is_bf16_where_the_gpu_computes_it_else_fp16(monkeypatch, capability, dtype):
+    """A P100 (6.0), V100 (7.0) or T4 (7.5) emulates bf16, slowly, though torch.cuda.is_bf16_supported() says yes
+    there: fp16 with loss scaling, as the ZeRO papers trained on V100s. An A100 (8.0), L4 (8.9) or H100 (9.0) computes
+    bf16: bf16. The reason names the GPU and its capability, and for fp16 the loss scaling."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what torch says on all four
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what torch says on all of them
     picked, why = pick_dtype("auto", torch.device("cuda", 0))
     assert picked == dtype, why
-    assert f"Some GPU (compute capability {capability[0]}.{capability[1]})" in why
+    assert why.startswith(f"auto: Some GPU (compute capability {capability[0]}.{capability[1]})"), why
+    assert ("fp16, with dynamic loss scaling" in why) == (dtype == torch.float16), why
+    assert pick_dtype("fp16", torch.device("cuda", 0)) == (torch.float16, "--dtype fp16")  # asked for: kept
 
 
 def test_delayed_update_leaves_the_rank_a_core(monkeypatch, capsys):

@@ -154,6 +154,7 @@ def test_explicit_dtype_is_never_overridden(monkeypatch):
     fake_cpu(monkeypatch, False, 0.01)
     assert devices.pick_dtype("bf16", torch.device("cpu"))[0] == torch.bfloat16
     assert devices.pick_dtype("fp32", torch.device("cpu"))[0] == torch.float32
+    assert devices.pick_dtype("fp16", torch.device("cpu"))[0] == torch.float16  # slow on a CPU, but asked for
 
 
 def test_the_probe_measures_something():
