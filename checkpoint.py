@@ -182,9 +182,10 @@ def saved_pieces(where, manifest):
             yield name, lo, hi, {k: shard[k][at:at + hi - lo] for k in STATE}
             at += hi - lo
 
-def load_checkpoint(where, manifest, engine, device, stage=None):
+def load_checkpoint(where, manifest, engine, device, stage=None, scaler=None):
     """Fill this rank's pieces from the saved ones, whatever stage and world size saved them; return the step. With
-    `stage` (the run's name), rank 0 says so."""
+    `stage` (the run's name), rank 0 says so. An fp16 run's `scaler` (train_gpt.LossScaler) continues a saved fp16
+    run's; from a bf16 or fp32 checkpoint it starts anew."""
     wanted = defaultdict(list)
     for name, lo, hi, views in engine.state_pieces():
         wanted[name].append((lo, hi, views))
@@ -206,6 +207,8 @@ def load_checkpoint(where, manifest, engine, device, stage=None):
             torch.cuda.set_rng_state(shard["cuda_rng"], device)
     engine.resume(manifest["step"] - (manifest.get("loss_scaler") or {}).get("skipped", 0))  # Adam's t: steps taken,
     # less those fp16's loss scaler skipped (a skipped step advances no step counter)
+    if scaler is not None and scaler.enabled and (manifest.get("loss_scaler") or {}).get("enabled"):
+        vars(scaler).update(manifest["loss_scaler"])
     if stage and rank == 0:
         print(f"{stage}: resumed from {where} (saved by {manifest['stage']} on {manifest['world_size']} rank(s)) at "
               f"step {manifest['step']}", flush=True)
@@ -258,16 +261,6 @@ def consolidate(path, out):
     atomic_write(out, lambda f: torch.save({"config": manifest["config"], "chars": manifest["chars"], "step": manifest["step"],
                                             "state_dict": state}, f))
     print(f"wrote {out}: {sum(t.numel() for t in state.values()):,} fp32 parameters after step {manifest['step']} of {where}")
-
-def sample_text(saved, model, args, device=torch.device("cpu")):
-    """Text that `model`, a GPT of the config `saved` was trained with, generates from a newline with saved's fp32
-    weights (a consolidated file's dict, or the one a run ends with)."""
-    model, chars = model.to(device), saved["chars"]
-    model.load_state_dict({**saved["state_dict"], "lm_head.weight": saved["state_dict"]["wte.weight"]})  # the tied head
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    start = torch.full((1, 1), chars.index("\n") if "\n" in chars else 0, dtype=torch.long, device=device)
-    out = model.generate(start, args.sample_chars, generator=g)[0].tolist()
-    return "--- sample ---\n" + "".join(chars[i] for i in out if i < len(chars)) + "\n--------------"
 
 def load_consolidated(path):
     """The file --consolidate writes, or one line saying what --sample takes."""

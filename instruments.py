@@ -20,18 +20,6 @@ def pinned_bytes(nbytes):
     the next power of two (and kept for reuse once freed). Pageable memory is not rounded."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
-def host_categories(stage, offload_params=False):
-    """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device."""
-    return ("grads", "master", "adam_m", "adam_v") + ("params",) * offload_params if stage == "offload" else ()
-
-def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
-    """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
-    one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
-    updated parameters, and with --offload_params the parameter shard. (fp32 master and moments stay pageable.)"""
-    if stage != "offload":
-        return 0
-    return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
-
 class CommLedger:
     """The collectives the stages call, each counting the bytes this rank sends (ring algorithm), and timed when a
     Timeline is attached (--timeline: one step's timeline)."""

@@ -6,6 +6,7 @@ import argparse, os, re
 from dataclasses import fields
 
 from checkpoint import add_checkpoint_args
+from devices import stop
 
 def parse_args(Engine, presets, config, argv=None):
     """The options of train_gpt.main, and the Engine's own (its add_args): the GPT (a preset, and overrides of its
@@ -47,8 +48,15 @@ def parse_args(Engine, presets, config, argv=None):
         Engine.add_args(p)
     return p.parse_args(argv)
 
-def check_args(args, world_size):
-    """Every option that could ruin a run silently (beta = 1 turns every weight into NaN), refused before any work."""
+def check_args(args, world_size, rank=0):
+    """Every option that could ruin a run silently (beta = 1 turns every weight into NaN), refused before any work;
+    every rank finds the same error, so rank 0 alone says it, in one line (devices.stop)."""
+    try:
+        _check(args, world_size)
+    except SystemExit as e:
+        stop(str(e), rank)
+
+def _check(args, world_size):
     for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name} {getattr(args, name)}: must be at least 1")
@@ -90,3 +98,15 @@ def gpt_config(args, presets, config):
     if cfg.n_embd % cfg.n_head:
         raise SystemExit(f"error: --n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}")
     return cfg
+
+class Misuse:  # what an engine refuses, one line each (train_gpt.trained and every Engine raise them)
+    OUTSIDE_BACKWARD = ("a gradient arrived outside engine.backward (was loss.backward() called directly?): call "
+                        "engine.backward(loss, sync), which arms the engine's hooks and reduces gradients across ranks")
+    NO_GRADIENT = ("engine.backward: a trained parameter got no gradient: each parameter that requires grad must take "
+                   "part in the loss; freeze the others (requires_grad_(False)) before building the engine")
+    NO_BACKWARD = ("engine.step: no engine.backward(loss, sync=True) since the last step: call it on each step's last "
+                   "micro-step")
+    META = ("a tensor on the meta device that no engine can make: ZeRO-3's (stage3.py, offload.py) make trained "
+            "parameters with the model's init_weight(p), as GPT.init_weight; build the rest, or the model, on a device")
+    CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
+               "replaced, requires_grad switched): build the engine after the model's last change")

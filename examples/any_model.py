@@ -118,7 +118,7 @@ def main():
     Engine = load_engine(ours.stage)
     args = parse_args(Engine, PRESETS, GPTConfig, ["--steps", "6", "--grad_accum", "2", "--warmup", "2", *rest])
     rank, world_size, device = init_distributed(args)
-    check_args(args, world_size)
+    check_args(args, world_size, rank)
 
     torch.manual_seed(args.seed + rank)  # ranks start different: the engine must broadcast rank 0's model
     model = SetClassifier().to(device)
