@@ -24,15 +24,12 @@ import torch.utils.cpp_extension
 from train_gpt import (OPENMP, Misuse, build_cpu_adam, clip_coef, comm, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source,
                        main, set_cpu_adam_threads, sum_of_squares, trained)
 
-
 def load_cpu_adam(isa=None, announce=False, spare=0):
-    """The C++ AdamW, cpu_adam.cpp compiled by torch's load_inline for a code path (devices.py: the best this CPU runs,
-    and its flags) once per process, on this rank's share of the cores less `spare` (a delayed update runs beside)."""
+    """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
     isa = cpu_adam_isa(isa)
     return set_cpu_adam_threads(build_cpu_adam(isa, lambda: torch.utils.cpp_extension.load_inline(
         f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()], functions=["adam_step", "isa", "set_threads", "threads"],
         extra_cflags=cpu_adam_cflags(isa), extra_ldflags=OPENMP)), spare, announce)
-
 
 class Copies:
     """Copies between device and host memory on a copy stream beside the compute stream, joined to it by events, with
@@ -65,7 +62,6 @@ class Copies:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
-
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
@@ -77,7 +73,6 @@ class Bucket:
         self.grad = None   # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
         self.acc = None    # with --grad_accum: its reduced shard, summed on the device until the last micro-step
-
 
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
@@ -155,24 +150,20 @@ class OffloadEngine:
         self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    def _pad(self, b):
-        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
+    def _pad(self, b):  # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _own(self, flat):
-        """This rank's shard of a bucket-sized buffer."""
+    def _own(self, flat):  # this rank's shard of a bucket-sized buffer
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard(self, b):
-        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
+    def _shard(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
-    def _gather(self, b):
-        """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
+    def _gather(self, b):  # start gathering bucket b's full parameters from every rank's shard (asynchronously)
         if b.gather is None and b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             # [ZeRO-3 Offload] the shard comes up on the copy stream and the all-gather is issued there (NCCL waits for
@@ -185,12 +176,10 @@ class OffloadEngine:
             # [/ZeRO-3 Offload]
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard(b)], async_op=True)
 
-    def _free(self, b):
-        """Free bucket b's full parameters: the storage itself, which autograd's saved views share."""
+    def _free(self, b):  # free bucket b's full parameters: the storage itself, which autograd's saved views share
         b.param.untyped_storage().resize_(0)
 
-    def _use(self, b, order):
-        """Bucket b is about to run (forward or backward): have its parameters, and prefetch the next bucket's."""
+    def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
         order = self.backward_order if b.waiting else order  # b waits for gradients: its backward, or its recompute
         if b not in order:
             order.append(b)  # the first pass records the order; later passes prefetch by it
@@ -201,8 +190,7 @@ class OffloadEngine:
         if b is not order[-1] and not self.args.no_prefetch:
             self._gather(order[order.index(b) + 1])
 
-    def _after_forward(self, b, out):
-        """Free b's parameters; if backward will come, gather them again just before b's backward."""
+    def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
         if b.waiting:  # b's recompute (--checkpoint_activations) in its backward: keep them; _grad_ready frees them
             return
         self._free(b)
@@ -236,8 +224,7 @@ class OffloadEngine:
             # [/ZeRO-2]
 
     # [Offload] wait for the reduce-scatter; on the last micro-step, copy the summed shard to the CPU on the copy stream
-    def _release(self, b):
-        """A bucket's reduce-scatter is done: keep its reduced shard, and free the bucket's full gradient."""
+    def _release(self, b):  # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
         b.work.wait()
         b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)  # summed over the micro-steps, on the device
         if self.sync:
@@ -309,22 +296,17 @@ class OffloadEngine:
         # [/ZeRO-3 Offload]
         self.copies.copy(self.param_shard[sh], self.staging[sh])
 
-    # [DPU] wait for the update in flight and send its parameters up; if it failed, stop with its error, in one line
+    # [DPU] wait for the update in flight and send its parameters up
     def _finish_update(self):
         if self.update is not None:
-            update, self.update = self.update, None
-            try:
-                update.result()  # an exception raised in the update's thread is raised again here
-            except Exception as e:  # one line, and the half-written staging is never sent
-                error = f"{type(e).__name__}: {e}".splitlines()[0]
-                raise SystemExit(f"error: --delayed_update's CPU update failed: {error}") from None
+            self.update.result()  # an exception in the update's thread is raised here: its staging is never sent
+            self.update = None
             self._send(slice(None))
             self.copies.host_waits(self.copies.event())  # for the next forward; before the next update writes staging
     # [/DPU]
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):
-        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
+    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
         self.copies.host_waits(self.copies.event())  # every copy queued so far has landed: the gradient shard's too
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
@@ -334,8 +316,7 @@ class OffloadEngine:
         return {"params": [self.param_shard], "grads": [self.grad_shard, *spare],
                 "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
 
-    def state_pieces(self):
-        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
+    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
         self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)
         state, pieces = (self.master, self.adam_m, self.adam_v), []
         for name, p in trained(self.model):
@@ -344,18 +325,15 @@ class OffloadEngine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece(self, p):
-        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+    def _piece(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from element `at` of its flat state
         b = self.bucket_of[p]
         s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
-    def resume(self, step):
-        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
+    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
         self.adam_step = step
         self.param_shard.copy_(self.master)
-
 
 if __name__ == "__main__":
     main(OffloadEngine, stage="offload")

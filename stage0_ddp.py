@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
-
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both."""
     def __init__(self, start):
@@ -25,7 +24,6 @@ class Bucket:
         self.params = []
         self.waiting = 0   # gradients still to arrive in this backward
         self.work = None   # the collective in flight
-
 
 class DDPEngine:
     """Stage 0: every rank holds everything; gradient buckets are all-reduced during backward."""
@@ -115,8 +113,7 @@ class DDPEngine:
         return norm
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):
-        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
+    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
         b = self.bucket_of[p]
         return 0, b.grad[self.offset[p]:self.offset[p] + p.numel()]  # all of it, a view of its bucket
 
@@ -124,8 +121,7 @@ class DDPEngine:
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets],
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    def state_pieces(self):
-        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
+    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece(p)
@@ -133,16 +129,13 @@ class DDPEngine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece(self, p):
-        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+    def _piece(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from element `at` of its flat state
         return 0, p.numel(), self.bucket_of[p].start + self.offset[p]  # all of p
 
-    def resume(self, step):
-        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
+    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
         self.optimizer.t = step
         for b in self.buckets:
             b.param.copy_(self.master[b.start:b.end])
-
 
 if __name__ == "__main__":
     main(DDPEngine, stage="stage0")

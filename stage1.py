@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
-
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
@@ -26,7 +25,6 @@ class Bucket:
         self.params = []
         self.waiting = 0   # gradients still to arrive in this backward
         self.work = None   # the collective in flight
-
 
 class ZeRO1Engine:
     """Stage 1: optimizer states sharded; gradient buckets are reduce-scattered during backward."""
@@ -70,18 +68,15 @@ class ZeRO1Engine:
         self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    def _pad(self, b):
-        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
+    def _pad(self, b):  # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _own(self, flat):
-        """This rank's shard of a bucket-sized buffer."""
+    def _own(self, flat):  # this rank's shard of a bucket-sized buffer
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard(self, b):
-        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
+    def _shard(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
@@ -144,8 +139,7 @@ class ZeRO1Engine:
         return norm
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):
-        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
+    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
@@ -153,8 +147,7 @@ class ZeRO1Engine:
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets],
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    def state_pieces(self):
-        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
+    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece(p)
@@ -162,19 +155,16 @@ class ZeRO1Engine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece(self, p):
-        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+    def _piece(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from element `at` of its flat state
         b = self.bucket_of[p]
         s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
-    def resume(self, step):
-        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
+    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
         self.optimizer.t = step
         for b in self.buckets:
             comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype))
-
 
 if __name__ == "__main__":
     main(ZeRO1Engine, stage="stage1")

@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
 
-
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
@@ -30,7 +29,6 @@ class Bucket:
         self.work = None   # the collective in flight
         self.grad = None   # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
-
 
 class ZeRO3Engine:
     """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
@@ -96,34 +94,28 @@ class ZeRO3Engine:
         self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    def _pad(self, b):
-        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
+    def _pad(self, b):  # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _own(self, flat):
-        """This rank's shard of a bucket-sized buffer."""
+    def _own(self, flat):  # this rank's shard of a bucket-sized buffer
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard(self, b):
-        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
+    def _shard(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
-    def _gather(self, b):
-        """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
+    def _gather(self, b):  # start gathering bucket b's full parameters from every rank's shard (asynchronously)
         if b.gather is None and b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard(b)], async_op=True)
 
-    def _free(self, b):
-        """Free bucket b's full parameters: the storage itself, which autograd's saved views share."""
+    def _free(self, b):  # free bucket b's full parameters: the storage itself, which autograd's saved views share
         b.param.untyped_storage().resize_(0)
 
-    def _use(self, b, order):
-        """Bucket b is about to run (forward or backward): have its parameters, and prefetch the next bucket's."""
+    def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
         order = self.backward_order if b.waiting else order  # b waits for gradients: its backward, or its recompute
         if b not in order:
             order.append(b)  # the first pass records the order; later passes prefetch by it
@@ -134,8 +126,7 @@ class ZeRO3Engine:
         if b is not order[-1] and not self.args.no_prefetch:
             self._gather(order[order.index(b) + 1])
 
-    def _after_forward(self, b, out):
-        """Free b's parameters; if backward will come, gather them again just before b's backward."""
+    def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
         if b.waiting:  # b's recompute (--checkpoint_activations) in its backward: keep them; _grad_ready frees them
             return
         self._free(b)
@@ -169,8 +160,7 @@ class ZeRO3Engine:
             # [/ZeRO-2]
 
     # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
-    def _release(self, b):
-        """A bucket's reduce-scatter is done: keep its reduced shard, and free the bucket's full gradient."""
+    def _release(self, b):  # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
         b.work.wait()
         self.grad_shard[self._shard(b)] += b.reduced
         b.grad = b.reduced = b.work = None
@@ -213,8 +203,7 @@ class ZeRO3Engine:
         return norm
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):
-        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds until step."""
+    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
         lo, hi, at = self._piece(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
@@ -222,8 +211,7 @@ class ZeRO3Engine:
         return {"params": [self.param_shard], "grads": [self.grad_shard],
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    def state_pieces(self):
-        """The training state this rank holds, as (name, [lo, hi) of its elements, [views of master, Adam m, v])."""
+    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece(p)
@@ -231,18 +219,15 @@ class ZeRO3Engine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece(self, p):
-        """The elements [lo, hi) of p (flattened) that this rank holds, from element `at` of its flat state."""
+    def _piece(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from element `at` of its flat state
         b = self.bucket_of[p]
         s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
 
-    def resume(self, step):
-        """A checkpoint has filled this rank's master weights and moments: count its steps, update the model."""
+    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
         self.optimizer.t = step
         self.param_shard.copy_(self.master)
-
 
 if __name__ == "__main__":
     main(ZeRO3Engine, stage="stage3")

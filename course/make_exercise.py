@@ -39,7 +39,7 @@ def newest_idea(source):
 def signature_and_docstring(body, k):
     """The lines of the `def` starting at body[k]: its signature (which may span lines) and docstring, if any."""
     j = k
-    while not body[j].rstrip().endswith(":"):
+    while not re.sub(r"\s+#.*$", "", body[j]).rstrip().endswith(":"):  # (a comment may follow the colon)
         j += 1
     j += 1  # the first line of the function's body
     if j < len(body) and body[j].strip().startswith('"""'):
