@@ -1,7 +1,7 @@
 """
 offload.py: ZeRO-Offload, stage 3 plus one idea: the optimizer and its states live in CPU memory.
 
-Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
     device    bf16 parameters 2Ψ/N (none with --offload_params) + the working set of stage 3 (ZeRO-Offload paper)
     host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ the parameters 2Ψ/N: --offload_params)
     sent      what stage 3 sends; and over each rank's device-host link, 2Ψ/N down and 2Ψ/N up

@@ -1,7 +1,7 @@
 """
 stage0_ddp.py: data parallelism by hand, the baseline every ZeRO stage improves on.
 
-Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
     DP        bf16 parameters 2Ψ + bf16 gradients 2Ψ + (fp32 master, Adam m, Adam v) 12Ψ  =  16Ψ
     sent      all-reduce of the gradients 2Ψ(N-1)/N (a ring all-reduce: a reduce-scatter, then an all-gather)
 

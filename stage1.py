@@ -1,7 +1,7 @@
 """
 stage1.py: ZeRO-1, stage 0 plus one idea: each rank keeps the optimizer states of its 1/N shard only.
 
-Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
     P_os      bf16 parameters 2Ψ + bf16 gradients 2Ψ + (fp32 master, Adam m, Adam v) 12Ψ/N  =  4Ψ + 12Ψ/N
     sent      reduce-scatter of the gradients Ψ(N-1)/N + all-gather of the parameters Ψ(N-1)/N  =  2Ψ(N-1)/N
 

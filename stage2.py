@@ -1,7 +1,7 @@
 """
 stage2.py: ZeRO-2, stage 1 plus one idea: each rank keeps the gradients of its 1/N shard only.
 
-Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
     P_os+g    bf16 parameters 2Ψ + bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N  =  2Ψ + 14Ψ/N
     sent      reduce-scatter of the gradients Ψ(N-1)/N per micro-step + all-gather of the parameters Ψ(N-1)/N
 

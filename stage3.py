@@ -1,7 +1,7 @@
 """
 stage3.py: ZeRO-3, stage 2 plus one idea: each rank keeps the parameters of its 1/N shard only.
 
-Per rank, for Ψ parameters on N ranks (ZeRO paper): model states in bytes, and elements sent per step
+Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
     P_os+g+p  bf16 parameters 2Ψ/N + bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N  =  16Ψ/N
     sent      per micro-step: 2 all-gathers of the parameters (forward, backward) + 1 reduce-scatter  =  3Ψ(N-1)/N
 

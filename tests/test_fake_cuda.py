@@ -1,11 +1,11 @@
 """Every stage on a fake CUDA device (tests/fake_cuda.py), on this CPU machine: each stage file and offload mode, in
-fp32, and with gradient accumulation in bf16, trains 2 steps on 2 ranks through its CUDA code paths (nccl's calls,
-pinned host buffers, streams, events), and nothing is refused: every op's tensors on one device, every collective's
-on the GPU, the C++ AdamW's on the host, and no host synchronisation inside forward or backward (offload's non_blocking
-copies into pinned memory are not one). Then the audit itself: copies of stage files with one line changed to a
-mistake CUDA would refuse (a reduce-scatter into host memory, a collective on a host tensor, an op mixing devices, a
-float() or a blocking copy to the host in backward) must fail it, naming the line and the devices. No assertion
-depends on the CPU: no timing, no numbers."""
+fp32, in fp16, and with gradient accumulation in bf16, trains 2 steps on 2 ranks through its CUDA code paths (nccl's
+calls, pinned host buffers, streams, events), and nothing is refused: every op's tensors on one device, every
+collective's on the GPU, the C++ AdamW's on the host, and no host synchronisation inside forward or backward
+(offload's non_blocking copies into pinned memory are not one). Then the audit itself: copies of stage files with one
+line changed to a mistake CUDA would refuse (a reduce-scatter into host memory, a collective on a host tensor, an op
+mixing devices, a float() or a blocking copy to the host in backward) must fail it, naming the line and the devices.
+No assertion depends on the CPU: no timing, no numbers."""
 import json
 import re
 
@@ -33,10 +33,12 @@ def output(job):
     return "\n".join(last_lines(job.stdout + job.stderr, 30))
 
 
-@pytest.mark.parametrize("grad_accum, dtype", [(1, "fp32"), (2, "bf16")], ids=["fp32", "bf16_accum2"])
+@pytest.mark.parametrize("grad_accum, dtype", [(1, "fp32"), (2, "bf16"), (1, "fp16")],
+                         ids=["fp32", "bf16_accum2", "fp16"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_stage_on_fake_cuda(tmp_path, config, grad_accum, dtype):
-    """With --grad_accum 2 in bf16, what a GPU with bf16 runs (casts, fp32 master), at once."""
+    """With --grad_accum 2 in bf16, what a GPU with bf16 runs (casts, fp32 master), at once; in fp16, what a V100 or a
+    T4 runs (the loss scaled, the scale divided out in the clipping coefficient, fp16 shards into the C++ AdamW)."""
     script, *args = CONFIGS[config]
     job, reports = audit(tmp_path, ROOT / script, *args, grad_accum=grad_accum, dtype=dtype)
     refused = [m for r in reports if r for m in r["findings"]]
