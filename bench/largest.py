@@ -429,13 +429,16 @@ def render(result, out_dir, out=None, results=None, beside=None):
     print("\n" + table + "\n")
     for line in headline(result["rows"]):
         print(line)
+    ratio = []  # with `beside`: stage 3 at N=4 in this setting against the other
     if beside:
         get = {(r["stage"], r["world_size"]): r["largest_params"] for r in beside["rows"]}
         for r in result["rows"]:
             if r["stage"] == "stage3" and r["world_size"] == 4 and get.get(("stage3", 4)):
-                print(f"stage 3 at N=4 {setting(result)} activation checkpointing trains "
-                      f"{r['largest_params'] / get['stage3', 4]:.2f}x the parameters it trains {setting(beside)} "
-                      f"({r['largest_params'] / 1e6:.2f}M against {get['stage3', 4] / 1e6:.2f}M)")
+                ratio.append(f"stage 3 at N=4 {setting(result)} activation checkpointing trains "
+                             f"{r['largest_params'] / get['stage3', 4]:.2f}x the parameters it trains {setting(beside)} "
+                             f"({r['largest_params'] / 1e6:.2f}M against {get['stage3', 4] / 1e6:.2f}M)")
+    for line in ratio:
+        print(line)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "largest.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -445,7 +448,8 @@ def render(result, out_dir, out=None, results=None, beside=None):
     drew = draw(result, out_dir / "largest.png")
     if results:  # bench/results/largest.md, headed by the machine, torch, dtype and command; largest.png beside it
         from results import publish  # (bench/, this script's folder)
-        path = publish("largest", table + "\n\n" + "\n".join(headline(result["rows"])), result["dtype"], results)
+        name = "largest" + "_checkpointed" * (setting(result) == "with")  # each setting its own block in bench/README
+        path = publish(name, table + "\n\n" + "\n".join(headline(result["rows"]) + ratio), result["dtype"], results)
         if drew:
             shutil.copyfile(out_dir / "largest.png", path.with_suffix(".png"))
     print(f"\nwrote {out_dir / 'largest.json'}, {out_dir / 'table.md'}" + (f" and {out_dir / 'largest.png'}" if drew else

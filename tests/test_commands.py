@@ -45,6 +45,8 @@ COVERED = {
     "python bench/compare.py --results": "test_compare",
     "python bench/largest.py --results": "tests/test_largest.py::test_largest_quick",
     "python bench/largest.py --quick": "tests/test_largest.py::test_largest_quick",
+    "python bench/largest.py --checkpoint_activations --beside runs/largest/largest.json --results":
+        "tests/test_largest.py::test_largest_checkpointed",
     "python bench/peers.py --steps 10 --rounds 2 --results": "test_peers",
     "python bench/bench_adam.py --sizes 22 24 26 --repeats 7 --results": "test_bench_adam",
     "python bench/timeline.py stage0_ddp.py --nproc 2 --preset small --steps 8 --out runs/tl/stage0_buckets --results":
