@@ -1,6 +1,6 @@
 """
 options.py: every option a run takes, with its default (`--help` lists them), and the checks that refuse a bad one,
-with one line that names the fix, before any work starts.
+with one line that names the fix, before any work starts; and the lines an engine refuses a misuse with (Misuse).
 """
 import argparse, os, re
 from dataclasses import fields
