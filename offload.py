@@ -296,11 +296,12 @@ class OffloadEngine:
         # [/ZeRO-3 Offload]
         self.copies.copy(self.param_shard[sh], self.staging[sh])
 
-    # [DPU] wait for the update in flight and send its parameters up
+    # [DPU] wait for the update in flight and send its parameters up; if it failed, stop with its error, in one line
     def _finish_update(self):
         if self.update is not None:
-            self.update.result()  # an exception in the update's thread is raised here: its staging is never sent
-            self.update = None
+            update, self.update = self.update, None
+            if (e := update.exception()) is not None:  # (waits for it) an error in its thread: one line, nothing sent
+                raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".split("\n")[0])
             self._send(slice(None))
             self.copies.host_waits(self.copies.event())  # for the next forward; before the next update writes staging
     # [/DPU]
