@@ -4,7 +4,7 @@ bench/largest.py: the ZeRO papers' headline, measured: the largest GPT each stag
     python bench/largest.py                    # every stage at N = 1, 2, 4 within 64 MiB per rank: minutes on 2 cores
     python bench/largest.py --quick            # 24 MiB, GPTs 128 wide: under 3 minutes here (tests/test_largest.py)
     python bench/largest.py --budget_mb 8192 --n_embd 1024 --block_size 1024     # on GPUs
-    python bench/largest.py --quick --checkpoint_activations    # the same search, each block checkpointed
+    python bench/largest.py --quick --checkpoint_activations --beside runs/largest/largest.json   # blocks checkpointed
     python bench/largest.py --from_json runs/largest/largest.json                # redraw the table and picture only
 
 "Fits" is measured, never computed. For a stage and N, N ranks build a GPT of a fixed width (--n_embd) and a given
@@ -25,11 +25,13 @@ what meets that). Each row names the limit its search hit: device memory, host m
 "predicted" is the estimator: the paper's formula for the model states a rank keeps on the device
 (train_gpt.model_state_theory) plus the activations measured (what autograd saves for backward in one forward of the
 rank's micro-batch, linear in depth; with --checkpoint_activations, what autograd keeps then, each block's input, plus
-one block's activations, which its recompute makes again in backward). It leaves out what the measurement charges besides: gradient buckets in flight
-and their fp32 copies at the step (stages 0-2: up to two --bucket_mb buckets), stage 3's working set (the units
-gathered at once), allocator-level transients. The search starts at the prediction and walks to the boundary (steps
-doubling, then bisection), so a good prediction costs few probes. Near the boundary a probe's peak can differ by a few
-hundred KiB between runs (when the collectives' asynchronous buffers are freed), so a result can move by a layer.
+one block's activations, which its recompute makes again in backward). It leaves out what the measurement charges
+besides: gradient buckets in flight and their fp32 copies at the step (stages 0-2: up to two --bucket_mb buckets),
+stage 3's working set (the units gathered at once), allocator-level transients. The search starts at the prediction
+and walks to the boundary (steps doubling, then bisection), so a good prediction costs few probes. Near the boundary a
+probe's peak can differ by a few hundred KiB between runs (when the collectives' asynchronous buffers are freed), so a
+result can move by a layer; for stages 1-2 at N > 1 on 2 shared cores by more (stage 2 at N = 2, 9 layers of 128,
+bf16: 23.9 to 29.1 MiB over four runs on the AMD EPYC Zen 5), so their rows can move by two or three.
 
 --checkpoint_activations builds every GPT with the switch (train_gpt.GPT: each block under torch.utils.checkpoint),
 as train_gpt's option of the same name does; its results go to runs/largest_checkpointed/ unless --out_dir says.
@@ -348,7 +350,7 @@ def render_table(result, beside=None):
              f"{o['micro_batch']} x {o['block_size']} tokens per rank, {setting(result)} activation checkpointing; "
              f"{result['machine']})", "",
              "| stage | N | largest: layers | Ψ | peak MiB | model states (formula) MiB | × stage 0 at N "
-             f"| predicted: layers | Ψ | limit{extra} |", "|---|---|---|---|---|---|---|---|---|---|" + "---|" * 3 * bool(beside)]
+             f"| predicted: layers | Ψ | limit{extra} |", "|" + "---|" * (10 + 3 * bool(beside))]
     for r in rows:
         ratio = f"{r['largest_params'] / base[r['world_size']]:.2f}" if base.get(r["world_size"]) else "—"
         b = other.get((r["stage"], r["world_size"]))
