@@ -185,7 +185,7 @@ def saved_pieces(where, manifest):
 def load_checkpoint(where, manifest, engine, device, stage=None, scaler=None):
     """Fill this rank's pieces from the saved ones, whatever stage and world size saved them; return the step. With
     `stage` (the run's name), rank 0 says so. An fp16 run's `scaler` (train_gpt.LossScaler) continues a saved fp16
-    run's; from a bf16 or fp32 checkpoint it starts anew."""
+    run's; from a bf16 or fp32 checkpoint, or into one, it starts anew but for the count of steps skipped."""
     wanted = defaultdict(list)
     for name, lo, hi, views in engine.state_pieces():
         wanted[name].append((lo, hi, views))
@@ -205,10 +205,13 @@ def load_checkpoint(where, manifest, engine, device, stage=None, scaler=None):
         torch.set_rng_state(shard["rng"])
         if shard["cuda_rng"] is not None and device.type == "cuda":  # (on a CPU run, touching CUDA makes a context)
             torch.cuda.set_rng_state(shard["cuda_rng"], device)
-    engine.resume(manifest["step"] - (manifest.get("loss_scaler") or {}).get("skipped", 0))  # Adam's t: steps taken,
-    # less those fp16's loss scaler skipped (a skipped step advances no step counter)
-    if scaler is not None and scaler.enabled and (manifest.get("loss_scaler") or {}).get("enabled"):
-        vars(scaler).update(manifest["loss_scaler"])
+    saved_scaler = manifest.get("loss_scaler") or {}
+    engine.resume(manifest["step"] - saved_scaler.get("skipped", 0))  # Adam's t: the steps taken, less those fp16's
+    # loss scaler skipped (a skipped step advances no step counter)
+    if scaler is not None and scaler.enabled and saved_scaler.get("enabled"):
+        vars(scaler).update(saved_scaler)
+    elif scaler is not None:  # a new scale (one dtype saved, another resumes), but the steps skipped stay skipped
+        scaler.skipped = saved_scaler.get("skipped", 0)
     if stage and rank == 0:
         print(f"{stage}: resumed from {where} (saved by {manifest['stage']} on {manifest['world_size']} rank(s)) at "
               f"step {manifest['step']}", flush=True)

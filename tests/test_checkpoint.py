@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference, train  # noqa: F401
 from checkpoint import load_checkpoint, open_checkpoint, save_checkpoint
-from train_gpt import GPT, GPTConfig, CharData, SingleDeviceEngine, load_text
+from train_gpt import GPT, GPTConfig, CharData, LossScaler, SingleDeviceEngine, load_text
 
 STOP = ["--stop_after", "3"]  # TRAIN has 6 steps: stop after 3, resume for the other 3
 
@@ -246,6 +246,25 @@ def test_cpu_run_leaves_cuda_alone(tmp_path, monkeypatch):
         where = save_checkpoint(str(tmp_path / device.type), engine, 1, meta, device)
         load_checkpoint(*open_checkpoint(where, cfg, list("abcde")), engine, device)
         assert calls == expected, f"a run on {device.type}: CUDA random state calls {calls}, expected {expected}"
+
+
+
+def test_skipped_steps_survive_a_change_of_dtype(tmp_path):
+    """Adam's step count on resume is the steps taken less those fp16 skipped. A run saved in fp16 after skipping 2
+    steps and resumed in fp32 keeps that count, so that its own checkpoint, resumed again, still counts them."""
+    cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
+    engine = SingleDeviceEngine(GPT(cfg), argparse.Namespace(), torch.device("cpu"))
+    meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[], params={})
+    fp16 = LossScaler(enabled=True)
+    fp16.scale, fp16.skipped = 2.0**14, 2
+    where = save_checkpoint(str(tmp_path / "fp16"), engine, 10, meta | dict(loss_scaler=vars(fp16)), torch.device("cpu"))
+    fp32 = LossScaler(enabled=False)
+    load_checkpoint(*open_checkpoint(where, cfg, list("abcde")), engine, torch.device("cpu"), scaler=fp32)
+    assert engine.optimizers[0].t == 8 and fp32.skipped == 2 and fp32.scale == 1.0, (engine.optimizers[0].t, vars(fp32))
+    where = save_checkpoint(str(tmp_path / "fp32"), engine, 15, meta | dict(loss_scaler=vars(fp32)), torch.device("cpu"))
+    again = LossScaler(enabled=True)
+    load_checkpoint(*open_checkpoint(where, cfg, list("abcde")), engine, torch.device("cpu"), scaler=again)
+    assert engine.optimizers[0].t == 13 and again.skipped == 2 and again.scale == 2.0**16, vars(again)
 
 
 if __name__ == "__main__":
