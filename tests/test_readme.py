@@ -11,9 +11,9 @@ from conftest import ROOT
 # (a, b, most lines `diff a b` may change, most it may change in code: the module docstrings left out)
 LADDER = [("stage0_ddp.py", "stage1.py", 100, 120), ("stage1.py", "stage2.py", 70, 120),
           ("stage2.py", "stage3.py", 150, 120), ("stage3.py", "offload.py", 190, 175)]
-# offload.py: stage 3's lines, its copy stream, pinned buffers and load_inline build, and its two options, fenced
-MOST_LINES = {"train_gpt.py": 450, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 300,
-              "offload.py": 340}
+# Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
+MOST_LINES = {"train_gpt.py": 520, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 300,
+              "offload.py": 420}
 WIDTH = 120
 
 
