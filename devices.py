@@ -63,11 +63,10 @@ def bf16_matmul_speedup(n=256, repeats=5):
 def pick_dtype(choice, device):
     """(dtype, why) for --dtype. auto on a GPU: bf16 where it computes bf16 natively, else fp16 with loss scaling (the
     papers' V100s, a T4: fp16 tensor cores, 16 bytes per parameter as in the papers). auto on a CPU: bf16 where it
-    is fast, fp32 otherwise, never fp16 (no faster than fp32 there: on a Zen 4, a 256x1024 @ 1024x1024 matmul took
-    528 ms in fp16, 12.7 ms in fp32, 3.8 ms in bf16). bf16 is fast only with native bf16 matrix instructions (AMX,
-    AVX512-BF16): elsewhere torch's bf16 matmul runs a fallback (about 80x slower than fp32 on an AMD EPYC with AVX2
-    only, torch 2.13). torch says whether oneDNN has such a path; a short measured probe confirms it (a check that
-    torch provides alone would also pick bf16 where oneDNN only emulates it)."""
+    is fast, fp32 otherwise, never fp16 (a CPU's fp16 matmul is a fallback, tens of times slower than its fp32 one).
+    bf16 is fast only with native bf16 matrix instructions (AMX, AVX512-BF16): elsewhere torch's bf16 matmul runs a
+    fallback, tens of times slower than fp32. torch says whether oneDNN has such a path; a short measured probe
+    confirms it (a check that torch provides alone would also pick bf16 where oneDNN only emulates it)."""
     if choice != "auto":
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[choice], f"--dtype {choice}"
     if device.type == "cuda":  # bf16 in hardware from compute capability 8.0 (Ampere) on; torch.cuda.is_bf16_supported()
@@ -80,7 +79,7 @@ def pick_dtype(choice, device):
     isa = torch.backends.cpu.get_cpu_capability()
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     if check is not None and not check():
-        return torch.float32, f"auto: this CPU ({isa}) has no native bf16 matmul, where bf16 would run ~80x slower"
+        return torch.float32, f"auto: this CPU ({isa}) has no native bf16 matmul, where bf16 runs a slow fallback"
     speedup = bf16_matmul_speedup()
     if speedup >= 1.5:
         return torch.bfloat16, f"auto: a bf16 matmul runs {speedup:.1f}x faster than fp32 on this CPU ({isa})"

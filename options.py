@@ -8,38 +8,47 @@ from dataclasses import fields
 from checkpoint import add_checkpoint_args
 from devices import stop
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the default of every option that has one (not None, and not a switch's False)."""
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
 def parse_args(Engine, presets, config, argv=None):
     """The options of train_gpt.main, and the Engine's own (its add_args): the GPT (a preset, and overrides of its
     `config` fields), the data, the recipe, the run."""
-    p = argparse.ArgumentParser(description=(Engine.__doc__ or "").strip().split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(presets))
+    p = argparse.ArgumentParser(description=(Engine.__doc__ or "").strip().split("\n")[0], formatter_class=Help)
+    p.add_argument("--preset", default="small", choices=sorted(presets), help="the GPT's size")
     for f in fields(config):
         p.add_argument(f"--{f.name}", type=int, default=None, help="override the preset")
-    p.add_argument("--data", default=None, help="a UTF-8 text file (default: CPython's pydoc topics)")
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--batch_size", type=int, default=16, help="GLOBAL batch in sequences, over all ranks and micro-steps")
-    p.add_argument("--grad_accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min_lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--beta1", type=float, default=0.9)
-    p.add_argument("--beta2", type=float, default=0.99)
-    p.add_argument("--grad_clip", type=float, default=1.0)
+    p.add_argument("--data", default=None, help="a UTF-8 text file; without it, CPython's pydoc topics")
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps")
+    p.add_argument("--batch_size", type=int, default=16,
+                   help="the global batch in sequences, over all ranks and micro-steps")
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3, help="the learning rate after warmup, decayed to --min_lr")
+    p.add_argument("--min_lr", type=float, default=1e-4, help="the learning rate at the last step (cosine decay)")
+    p.add_argument("--warmup", type=int, default=20, help="steps of linear warmup")
+    p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
+    p.add_argument("--beta1", type=float, default=0.9, help="Adam's decay of the gradient's mean")
+    p.add_argument("--beta2", type=float, default=0.99, help="Adam's decay of the gradient's square")
+    p.add_argument("--grad_clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
     p.add_argument("--checkpoint_activations", action="store_true", help="each transformer block keeps only its input "
                    "for backward, which runs the block's forward again (torch.utils.checkpoint, non-reentrant)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="parameters and gradients "
                    "(fp16 with dynamic loss scaling); auto: bf16 where it is fast (a GPU with bf16, a CPU with native "
                    "bf16 matmul: AMX, AVX512-BF16), fp16 on a GPU without (V100, T4), else fp32")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--eval_every", type=int, default=100)
-    p.add_argument("--eval_batches", type=int, default=8)
-    p.add_argument("--sample_chars", type=int, default=300)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: a GPU where torch sees one")
+    p.add_argument("--seed", type=int, default=1337, help="the seed of the weights and of every batch")
+    p.add_argument("--eval_every", type=int, default=100, help="steps between validation losses")
+    p.add_argument("--eval_batches", type=int, default=8, help="batches in each validation loss")
+    p.add_argument("--sample_chars", type=int, default=300,
+                   help="characters the trained GPT writes at the end (0: none)")
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--save_master", default=None, help="write the final fp32 parameters here (torch.save, rank 0)")
-    p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar, no progress lines")
     p.add_argument("--timeline", default=None, metavar="DIR", help="write the last step's timeline per rank here "
                    "(bench/timeline.py draws it)")
     p.add_argument("--profile", default=None, metavar="DIR", help="write a torch.profiler trace of one step per rank here")

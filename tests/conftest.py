@@ -28,6 +28,11 @@ def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="also run tests/test_gpu.py on this machine's CUDA GPUs")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the learner's check (`pytest tests -m quick`): every stage's parity with "
+                            "the reference on 2 ranks")
+
+
 def stage_files(config):
     return [str(Path(f).resolve()) for f in config.getoption("stage")] or [str(ROOT / f) for f in STAGES]
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, last_lines
+from conftest import ROOT, STAGES, last_lines
 from devices import free_port
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -30,6 +30,7 @@ COVERED = {
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": "ci",
     FIRST: "test_first_command",  # (its pip install: .ci/run)
     "python -m pytest tests": "ci",
+    "python -m pytest tests -m quick": "test_quick_check",
     "python bench/compare.py": "test_compare",
     "python train_gpt.py": "tests/test_inputs.py::test_reference_learns_real_text",
     "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage3.py --preset gpt2-xl":
@@ -311,6 +312,14 @@ def test_gpu_suite_skips_without_cuda():
     out = run("python -m pytest tests --gpu".replace(" tests ", " tests/test_gpu.py "), "-q", "-p", "no:cacheprovider",
               "-rs")
     assert "skipped" in out.splitlines()[-1] and "failed" not in out.splitlines()[-1], out
+
+
+def test_quick_check():
+    """python -m pytest tests -m quick, the learner's check: it selects every stage's parity with the reference on 2
+    ranks, and nothing else (the full suite runs those tests too, so here they are only collected)."""
+    out = run("python -m pytest tests -m quick", "--collect-only", "-q", "-p", "no:cacheprovider")
+    selected = sorted(ln.split("::")[-1] for ln in out.splitlines() if "::" in ln)
+    assert selected == sorted(f"test_parity_with_reference[{s.removesuffix('.py')}-2]" for s in STAGES), selected
 
 
 def test_make_exercise(tmp_path):

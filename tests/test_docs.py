@@ -12,8 +12,9 @@ import results  # noqa: E402
 
 
 def test_readme_is_a_first_page():
-    """README.md is a learner's page: at most 200 lines and 16 KB, and its first screen holds the install (the CPU
-    build's advice before it), the training command and the test command that .ci/run calls."""
+    """README.md is a learner's page: at most 200 lines and 16 KB; its first screen holds the install (the CPU build's
+    advice before it), the training command and the test command that .ci/run calls; its first 40 lines, the reading
+    order, with Ψ defined where it is first used."""
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 200 and len(text.encode()) <= 16 * 1024, (
         f"README.md is {len(text.splitlines())} lines, {len(text.encode()):,} bytes: at most 200 and 16 KB; move "
@@ -23,6 +24,10 @@ def test_readme_is_a_first_page():
     assert commands[0].startswith("pip install -r requirements.txt && ") and "torchrun" in commands[0]
     assert commands[1] == "python -m pytest tests"
     assert first_screen.index("download.pytorch.org/whl/cpu") < first_screen.index("```bash")
+    path = "\n".join(text.splitlines()[:40])  # the first 40 lines: a path through the files
+    assert "## Reading order" in path and "`diff stage3.py offload.py`" in path, (
+        "README's reading order is not in its first 40 lines")
+    assert text.index("Ψ") == text.index("Ψ parameters"), "README uses Ψ before it says what Ψ is"
     for folder in ("bench", "tests", "course", "examples"):
         assert f"]({folder}/README.md)" in text and (ROOT / folder / "README.md").exists(), folder
 

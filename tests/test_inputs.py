@@ -1,6 +1,7 @@
 """Bad input gets one clear line that names the fix, before any work starts; and the reference really learns.
 (On CPU, as the whole suite: the runs see no GPU. The GPU suite, tests/test_gpu.py, runs with --gpu.)"""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -54,3 +55,21 @@ def test_reference_learns_real_text(runner):
     assert s["val_loss"] < s["unigram_loss"] - 0.4, f"val loss {s['val_loss']:.3f} vs unigram {s['unigram_loss']:.3f}"
     assert "--- sample ---" in run.stdout
 
+
+
+@pytest.mark.parametrize("script", ["train_gpt.py", "stage0_ddp.py", "stage3.py", "offload.py"])
+def test_help_shows_every_default(script):
+    """--help (options.py's docstring promises it) explains every option and shows the default of each that has one,
+    never a default of None."""
+    p = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, cwd=ROOT,
+                       env=CPU_ONLY, timeout=120)
+    text = " ".join(p.stdout.split())  # argparse wraps the help: one line of words
+    options = [o for o in dict.fromkeys(re.findall(r"\[(--\w+)", p.stdout))]
+    assert p.returncode == 0 and len(options) > 20, p.stdout + p.stderr
+    assert "(default: None)" not in text, text
+    for name in ("--steps", "--lr", "--grad_accum", "--beta1", "--warmup", "--seed", "--eval_every"):
+        assert re.search(rf"{name} \S+ [^-][^(]*\(default: [^)]+\)", text), f"{script} --help: no default for {name}"
+    metavar = r"(?: (?:\{[^}]*\}|[A-Z_]+))*"  # --preset {tiny,...}, --out OUT, --consolidate DIR OUT
+    words = r" (?!--)(?![A-Z_]+ )\S"  # then words of help: not the next option, not an option's metavar
+    silent = [o for o in options if not re.search(re.escape(o) + metavar + words, text)]
+    assert not silent, f"{script} --help says nothing about {silent}"

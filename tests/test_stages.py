@@ -54,7 +54,7 @@ def first_difference(expected, got, tol):
     return next((i for i, (e, g) in enumerate(zip(expected, got)) if abs(e - g) > tol * max(1.0, abs(e))), None)
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 4])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.quick), 4])  # -m quick: the learner's check
 def test_parity_with_reference(runner, reference, stage_file, nproc):
     run = train(runner, stage_file, nproc)
     ref, s = reference.summary, run.summary
