@@ -64,6 +64,59 @@ class CommLedger:
 
 comm = CommLedger()
 
+def without(label, a, b, holes):
+    """What is left of [a, b) outside `holes` (sorted (start, end) pairs), as (label, start, end) pieces."""
+    pieces = []
+    for h0, h1 in holes:
+        if h0 < b and h1 > a:
+            pieces.append((label, a, min(h0, b)))
+            a = max(a, h1)
+    pieces.append((label, a, b))
+    return [p for p in pieces if p[1] < p[2]]
+
+def host_compute(segments, holes):
+    """The compute row on a CPU: each marker segment (label, start, end) of the computing thread, less the holes where
+    that thread did something else (inside a collective's call, a host wait, a copy or a C++ AdamW call)."""
+    holes = sorted(holes)
+    return [piece for label, a, b in segments for piece in without(label, a, b, holes)]
+
+def kernel_compute(segments, kernels):
+    """The compute row on a GPU: the compute stream's kernels (launch, start, end), each labelled by the marker segment
+    (label, start, end) in which it was launched, "other" where none (the engine's hooks, the loss). Kernels of one
+    label that touch are joined; an idle stream between two kernels stays a gap."""
+    rows = []
+    for launch, a, b in sorted(kernels, key=lambda k: k[1]):
+        label = next((name for name, s0, s1 in segments if s0 <= launch < s1), "other")
+        if rows and rows[-1][0] == label and a <= rows[-1][2]:
+            rows[-1] = (label, rows[-1][1], max(b, rows[-1][2]))
+        else:
+            rows.append((label, a, b))
+    return rows
+
+HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")  # the host stops for the GPU
+
+def read_profile(events, anchor, host):
+    """From a torch.profiler Chrome trace's events (CPU and CUDA activities) of the traced step: the compute stream's
+    kernels (launch, start, end) and the host's waits for the GPU (name, start, end), in seconds on the host clock.
+    anchor: the name of a user annotation recorded around the host moment `host` (perf_counter), which ties the
+    profiler's clock to the host's. A kernel's launch (its runtime call, by correlation id) says when the host asked
+    for it; the compute stream is the one that ran most non-NCCL kernels; NCCL kernels are communication, drawn from
+    the collectives. Waits: the synchronize calls of the threads that launched compute (a blocking .item() is one)."""
+    mark = next(e for e in events if e.get("cat") == "user_annotation" and e["name"] == anchor)
+    sec = lambda us: host + (us - mark["ts"] - mark["dur"] / 2) / 1e6
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launched = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and "nccl" not in e["name"].lower() and e.get("args", {}).get("correlation") in launched]
+    streams = [e["args"].get("stream") for e in kernels if e["cat"] == "kernel"]
+    stream = max(set(streams), key=streams.count) if streams else None
+    kernels = [e for e in kernels if e["args"].get("stream") == stream]
+    threads = {launched[e["args"]["correlation"]]["tid"] for e in kernels} | {mark["tid"]}
+    waits = [(f"wait {e['name']}", sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in runtime
+             if e["name"] in HOST_WAITS and e["tid"] in threads]
+    return ([(sec(launched[e["args"]["correlation"]]["ts"]), sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in kernels],
+            waits)
+
 class Timeline:
     """One training step of this rank as a timeline, for bench/timeline.py. Off unless --timeline DIR is given (without
     it nothing is hooked or wrapped); with it, main() traces the run's last step and each rank writes
@@ -81,13 +134,20 @@ class Timeline:
       and the moment the engine's wait() returns. Both come after the true completion, and a collective that finished
       long before wait() was called does not look longer.
     - the optimizer step (engine.step), and offload's device-host copies (the copy methods of engine.copies) and C++
-      AdamW calls (engine.adam.adam_step), wrapped on the instance.
+      AdamW calls (engine.adam.adam_step), wrapped on the instance; with --delayed_update, the host's wait for the
+      update in flight (the futures of engine.updater), a host wait.
     A moment of the computing thread is drawn once: inside a collective's call ("issue <op>", "wait <op>": a blocking
-    collective is all wait), in the copies or C++ AdamW row when that thread runs them (on a CPU; on a GPU copies run
-    on their own stream), or else as compute.
-    On a GPU, times are CUDA events on the stream doing the work (compute, copy, or for a collective's end the stream
-    its future's callback runs on), read after the step; the C++ AdamW is timed on the host clock."""
-    ROWS = {"compute": 0, "communication": 100, "copies": 200, "cpu adam": 300}  # trace tids; communication + k: lane k
+    collective is all wait), in the copies, C++ AdamW or host waits row when that thread runs them, or else as compute.
+    On a GPU the compute row is the compute stream's kernels, not the time between the marks: the traced step runs
+    under torch.profiler (CPU and CUDA activities), and each kernel is labelled by the marked segment in which it was
+    launched (read_profile, kernel_compute), so a stream idle while the host waits or runs the C++ AdamW is a gap. The
+    host's synchronize calls (an event's or a stream's, a blocking .item()) are the host waits row, and the computing
+    thread's time inside collective calls is drawn there too. Copies and collectives are timed by CUDA events on the
+    stream doing the work (copy, or for a collective's end the stream its future's callback runs on), read after the
+    step; marks, calls and the C++ AdamW on the host clock."""
+    ROWS = {"compute": 0, "communication": 100, "copies": 200, "cpu adam": 300, "host waits": 400}
+    # the rows' trace tids; communication + k: the collectives' lane k
+    ANCHOR = "timeline: host clock"  # a profiler annotation recorded at a known host moment (on a GPU)
 
     @classmethod
     def start(cls, out_dir, engine, model, device, rank, stage, step):
@@ -101,6 +161,7 @@ class Timeline:
         self.thread, self.here = threading.get_ident(), lambda: threading.get_ident() == self.thread
         self.stack, self.since = [], None  # the compute row now: the top's label (None: not compute), since when
         self.segments, self.calls, self.collectives, self.spans = [], [], [], {"copies": [], "cpu adam": []}
+        self.waits = []  # the host's waits: (name, start, end) on the host clock
         buckets = getattr(engine, "buckets", None)
         if buckets and all(hasattr(b, "module") for b in buckets):  # the engine's units: each trained parameter's
             owner = {p: b.module for b in buckets for p in b.params}
@@ -128,9 +189,15 @@ class Timeline:
         stream = getattr(copies, "stream", None) if self.cuda else None
         if hasattr(copies, "copy"):  # offload's copies between device and host
             copies.copy = self._wrap(copies.copy, *self._span("copies", "copy", stream))
-        if hasattr(copies, "compute_waits"):  # the compute stream waiting for copies: a wait (drawn so), not compute
-            copies.compute_waits = self._wrap(copies.compute_waits, self.now,
-                                              lambda t0: self.calls.append(("wait copies", t0, self.now())))
+        if hasattr(copies, "compute_waits") and not self.cuda:  # compute waiting for copies: a wait, not compute (on
+            # a GPU the compute stream waits, not the host: a gap between kernels)
+            copies.compute_waits = self._wrap(copies.compute_waits, time.perf_counter,
+                                              lambda t0: self.calls.append(("wait copies", t0, time.perf_counter())))
+        updater = getattr(engine, "updater", None)
+        if hasattr(updater, "submit"):  # --delayed_update's thread: the host waiting for its update is a host wait
+            engine.updater = types.SimpleNamespace(**{k: getattr(updater, k) for k in dir(updater)
+                                                     if not k.startswith("_")})
+            engine.updater.submit = lambda *a, **kw: TimedFuture(updater.submit(*a, **kw), self)
         adam = getattr(engine, "adam", None)
         if hasattr(adam, "adam_step"):  # offload's C++ module: wrapped in a copy of its namespace, not in the module
             engine.adam = types.SimpleNamespace(**{k: getattr(adam, k) for k in dir(adam) if not k.startswith("__")})
@@ -147,16 +214,16 @@ class Timeline:
         return event
 
     def _mark(self, op, label=None, forward=False):
-        """The compute row changes now: `push` label (None: the engine's hook runs), `top`: the top becomes label,
-        `pop` the top, `end` unit label's backward (its entry may be below the top: a paused unit). A forward hook's
-        mark (forward=True) in backward is a recompute's: no change."""
+        """The compute row changes now (host clock): `push` label (None: the engine's hook runs), `top`: the top
+        becomes label, `pop` the top, `end` unit label's backward (its entry may be below the top: a paused unit). A
+        forward hook's mark (forward=True) in backward is a recompute's: no change."""
         if not self.on or (forward and self.in_backward):
             return
         if op == "end" and self.stack[-1:] != [label]:
             if label in self.stack:
                 self.stack.remove(label)
             return
-        t = self.now()
+        t = time.perf_counter()
         if self.stack and self.stack[-1] is not None:
             self.segments.append((self.stack[-1], self.since, t))
         self.since = t
@@ -219,13 +286,14 @@ class Timeline:
         if not self.on:
             return call()
         mib = max(t.numel() * t.element_size() for t in tensors) / 2**20
+        called = time.perf_counter()
         c = {"name": name, "issued": self.now(), "ends": [], "MiB": mib}
         self.collectives.append(c)
         work = call()
-        returned = self.now()
-        self.calls.append((f"{'issue' if async_op else 'wait'} {name}", c["issued"], returned))
         if not async_op:  # the caller waited all along
-            c["ends"].append(returned)
+            c["ends"].append(self.now())
+        self.calls.append((f"{'issue' if async_op else 'wait'} {name}", called, time.perf_counter()))
+        if not async_op:
             return work
         try:
             work.get_future().then(lambda fut: c["ends"].append(self.now()))
@@ -237,28 +305,49 @@ class Timeline:
     @contextlib.contextmanager
     def window(self, step):
         """Around every training step: what ended before it is dropped; the traced step is written when it ends."""
-        self.segments, self.calls, self.stack = [], [], []
+        self.segments, self.calls, self.stack, self.waits = [], [], [], []
         self.collectives = [c for c in self.collectives if not c["ends"]]
         self.spans = {row: [s for s in spans if s[2] is None] for row, spans in self.spans.items()}
         if step != self.step or not self.on:
             yield
             return
-        if self.cuda:
+        profiler = None
+        if self.cuda:  # the compute stream's kernels, and the host's synchronize calls
+            if torch.autograd._profiler_enabled():
+                raise SystemExit("error: --timeline on a GPU profiles the step it traces (the last), and --profile "
+                                 "profiles that one too: run more steps, or drop --profile or --timeline")
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
             torch.cuda.synchronize()
         start = self.now()
         self.anchor = (start, time.perf_counter())  # with CUDA: an event that ran at this host time
+        if profiler is not None:  # the host moment of the annotation's middle: the profiler's clock on the host's
+            t = time.perf_counter()
+            with torch.profiler.record_function(self.ANCHOR):
+                pass
+            self.profile_anchor = (t + time.perf_counter()) / 2
         yield
         end = self.now()
+        kernels = None
         if self.cuda:
             torch.cuda.synchronize()
+            profiler.__exit__(None, None, None)
+            with tempfile.TemporaryDirectory() as tmp:
+                profiler.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                with open(os.path.join(tmp, "trace.json")) as f:
+                    events = json.load(f)["traceEvents"]
+            kernels, waits = read_profile(events, self.ANCHOR, self.profile_anchor)
+            self.waits += waits
         self.on, comm.timeline = False, None
-        self._write(self._seconds(start), self._seconds(end))
+        self._write(self._seconds(start), self._seconds(end), kernels)
 
     def _seconds(self, t):
         return t if isinstance(t, float) else self.anchor[1] + self.anchor[0].elapsed_time(t) / 1e3
 
-    def _write(self, t0, t1):
-        """DIR/trace_rank<r>.json: the step's events, each clipped to the step; compute without the holes."""
+    def _write(self, t0, t1, kernels=None):
+        """DIR/trace_rank<r>.json: the step's events, each clipped to the step. Compute: on a GPU the compute stream's
+        kernels (kernels: (launch, start, end) from read_profile), else the marked segments without the holes."""
         events, us = [], lambda t: round(t * 1e6, 3)
         def add(name, row, a, b, tid=None, cat=None, **args):
             a, b = max(a, t0), min(t1 if b is None else b, t1)  # still running at the end: drawn until then
@@ -267,17 +356,18 @@ class Timeline:
                 events.append(dict(name=name, cat=cat or row, ph="X", pid=self.rank, tid=tid, ts=us(a), dur=us(b) - us(a),
                                    args=args))
         sec = lambda span: (span[0], self._seconds(span[1]), None if span[2] is None else self._seconds(span[2]))
-        calls = [sec(c) for c in self.calls]
-        holes = calls + [sec(s) for row in self.spans.values() for s in row if s[3] and not self.cuda]
-        holes = sorted((a, t1 if b is None else b) for _, a, b in holes)
-        for label, a, b in map(sec, self.segments):
-            for h0, h1 in holes:  # what is left of [a, b) outside the holes
-                if h0 < b and h1 > a:
-                    add(label, "compute", a, min(h0, b))
-                    a = max(a, h1)
+        holes = [(a, t1 if b is None else b) for _, a, b in self.calls + self.waits]
+        holes += [(a, t1 if b is None else b) for row in self.spans.values() for _, a, b, here in row if here]
+        if kernels is None:
+            compute = host_compute(self.segments, holes)
+        else:
+            compute = kernel_compute(self.segments, kernels)
+        for label, a, b in compute:
             add(label, "compute", a, b)
-        for name, a, b in calls:
-            add(name, "compute", a, b, cat="comm call")
+        for name, a, b in self.calls:  # on a GPU the host's time, beside the kernels
+            add(name, "compute" if kernels is None else "host waits", a, b, cat="comm call")
+        for name, a, b in self.waits:
+            add(name, "host waits", a, b)
         lanes = []  # collectives in flight together go to separate lanes (Chrome traces nest the events of one row)
         for c in sorted(self.collectives, key=lambda c: self._seconds(c["issued"])):
             a, b = self._seconds(c["issued"]), min((self._seconds(e) for e in c["ends"]), default=None)
@@ -309,14 +399,36 @@ class TimedWork:
         self.work, self.record, self.timeline = work, record, timeline
 
     def wait(self, *args, **kwargs):
-        t = self.timeline.now()
+        t = time.perf_counter()
         out = self.work.wait(*args, **kwargs)
         self.record["ends"].append(self.timeline.now())
-        self.timeline.calls.append((f"wait {self.record['name']}", t, self.record["ends"][-1]))
+        self.timeline.calls.append((f"wait {self.record['name']}", t, time.perf_counter()))
         return out
 
     def __getattr__(self, name):
         return getattr(self.work, name)
+
+class TimedFuture:
+    """A future of --delayed_update's thread whose result() and exception() are timed: the host waits for the update."""
+    def __init__(self, future, timeline):
+        self.future, self.timeline = future, timeline
+
+    def _timed(self, method, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if self.timeline.on:
+                self.timeline.waits.append(("wait cpu adam", t, time.perf_counter()))
+
+    def result(self, *args, **kwargs):
+        return self._timed(self.future.result, *args, **kwargs)
+
+    def exception(self, *args, **kwargs):
+        return self._timed(self.future.exception, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.future, name)
 
 def storage_bytes(tensors):
     """Bytes of the distinct storages behind `tensors`: views of one buffer count once."""

@@ -14,21 +14,26 @@ Every option it does not know goes to the stage file. It runs `torchrun --standa
 records the run's last step on every rank, and then writes
     DIR/trace.json     the ranks' traces merged, in the Chrome trace format (open it in https://ui.perfetto.dev or
                        chrome://tracing): a process per rank, rows compute, communication (a lane per collective in
-                       flight at once), copies and cpu adam. Compute is "forward <unit>", "backward <unit>" and
-                       "optimizer step", the units the engine's own (stage 3's buckets), or else each block and the
-                       root; "issue <op>" and "wait <op>" are the computing thread inside a collective's call
-                       (instruments.Timeline says how each moment is measured). Times are microseconds from the start
-                       of the earliest rank's step.
+                       flight at once), copies, cpu adam and host waits (the host stopped for the GPU, or for
+                       --delayed_update's thread). Compute is "forward <unit>", "backward <unit>" and "optimizer
+                       step", the units the engine's own (stage 3's buckets), or else each block and the root: on a
+                       CPU the computing thread's time, on a GPU the compute stream's kernels, each named by the part
+                       that launched it ("other": the engine's hooks); "issue <op>" and "wait <op>" are the computing
+                       thread inside a collective's call (on a GPU drawn in the host waits row; instruments.Timeline
+                       says how each moment is measured). Times are microseconds from the start of the earliest rank's
+                       step.
     DIR/timeline.png   the same picture: a band per rank (the ranks of one machine share its clock)
     DIR/run.json       the run's summary (train_gpt --out), with its tokens per second
-and prints, per rank and over all ranks, the overlap fraction of communication (and of copies and the C++ AdamW):
+and prints, per rank and over all ranks, the overlap fraction of communication (and of copies, the C++ AdamW and the
+host's waits):
 
     overlap = |union(communication intervals) ∩ union(compute intervals)| / |union(communication intervals)|
 
 the share of the time during which some collective of this rank was in flight that this rank also spent computing
-(forward, backward or the optimizer step; the computing thread's time inside collective calls, copies and C++ AdamW
-calls is not compute). Over all ranks it is the sum of the numerators over the sum of the denominators. 1: all
-communication was hidden behind compute; 0: compute stood still (or waited) whenever anything was in flight. It is
+(forward, backward or the optimizer step; the computing thread's time inside collective calls, copies, C++ AdamW
+calls and host waits is not compute, and on a GPU compute is only the time its compute stream runs kernels). Over
+all ranks it is the sum of the numerators over the sum of the denominators. 1: all communication was hidden behind
+compute; 0: compute stood still (or waited) whenever anything was in flight. It is
 computed from DIR/trace.json alone.
 
 On a CPU, gloo's collectives run on background threads, so the overlap is real, but N ranks share this machine's
@@ -40,10 +45,10 @@ from pathlib import Path
 from results import add_flag, publish
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ["compute", "communication", "copies", "cpu adam"]
+ROWS = ["compute", "communication", "copies", "cpu adam", "host waits"]
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "comm call": "#C8C8C8",
           "all_reduce": "#C44E52", "reduce_scatter": "#8172B3", "all_gather": "#937860",
-          "copies": "#DA8BC3", "cpu adam": "#CCB974"}
+          "copies": "#DA8BC3", "cpu adam": "#CCB974", "host waits": "#8C8C8C", "other": "#64B5CD"}
 DEFAULTS = ["--steps", "6", "--no_progress", "--sample_chars", "0", "--eval_batches", "1"]
 
 
@@ -148,13 +153,14 @@ def plot(trace, path, title):
             events = [e for e in xs if e["pid"] == r and row_of(e) == row]
             lanes = 1 + max([e["tid"] % 100 for e in events], default=0)
             for e in events:
-                kind = e["cat"] if e["cat"] in ("comm call", "copies", "cpu adam") else e["name"].split()[0]
+                drawn_by_row = e["cat"] in ("comm call", "copies", "cpu adam", "host waits")
+                kind = e["cat"] if drawn_by_row else e["name"].split()[0]
                 lane = e["tid"] % 100
                 h = 0.8 / lanes
                 ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (y - 0.4 + lane * h, h), color=COLORS[kind],
                                edgecolor="white", linewidth=0.8)
                 if e["cat"] == "compute" and e["dur"] > 0.04 * width:  # the unit's name, where there is room
-                    unit = e["name"].split(" ", 1)[1].replace("blocks.", "b").replace("step", "")
+                    unit = e["name"].split(" ", 1)[-1].replace("blocks.", "b").replace("step", "")
                     ax.text((e["ts"] + e["dur"] / 2) / 1e3, y, unit, ha="center", va="center", fontsize=6, color="white")
             yticks.append(y)
             ylabels.append(f"rank {r} {row}")
@@ -204,7 +210,8 @@ def main():
     result = overlaps(trace)
     xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     for r, (a, b) in enumerate(trace["otherData"]["window_us"]):
-        ms = {kind: sum(e["dur"] for e in xs if e["pid"] == r and e["name"].startswith(kind)) / 1e3
+        mine = [e for e in xs if e["pid"] == r and e["cat"] in ("compute", "comm call")]  # (not the host's waits)
+        ms = {kind: sum(e["dur"] for e in mine if e["name"].startswith(kind)) / 1e3
               for kind in ("forward", "backward", "optimizer", "issue", "wait")}
         parts = [f"{row} {t / 1e3:.1f} ms{' in flight' * (row == 'communication')}, {fraction(o, t):.1%} of it under "
                  f"compute" for row, per in result.items() for o, t in [per[r]]]

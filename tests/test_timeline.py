@@ -145,3 +145,92 @@ def test_an_engine_is_traced_by_its_own_units(tmp_path):
     units = {"blocks.1", "head", "root"}
     assert {f"{pass_} {u}" for pass_ in ("forward", "backward") for u in units} <= drawn, sorted(drawn)
     assert {n.split(" ", 1)[1] for n in drawn if n.startswith(("forward ", "backward "))} == units, sorted(drawn)
+
+
+def rows_from(tmp_path, segments, calls=(), waits=(), adam=(), kernels=None, cuda=False):
+    """Timeline's rows from hand-made timings (seconds on the host clock), as the trace_rank0.json it writes: the step
+    runs from 0 to 1 s; adam: C++ AdamW calls (start, end) on the computing thread."""
+    t = Timeline.__new__(Timeline)  # the row-making part alone: no model, no engine
+    t.out_dir, t.rank, t.stage, t.step, t.cuda = str(tmp_path), 0, "offload", 0, cuda
+    t.segments, t.calls, t.waits, t.collectives = list(segments), list(calls), list(waits), []
+    t.spans = {"copies": [], "cpu adam": [["adam_step", a, b, True] for a, b in adam]}
+    if kernels is None:  # a CPU's rows
+        t._write(0.0, 1.0)
+    else:
+        t._write(0.0, 1.0, kernels)
+    events = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    return {row: [(e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
+                  if e.get("ph") == "X" and e["tid"] == tid] for row, tid in Timeline.ROWS.items()}
+
+
+def close(got, want):
+    return len(got) == len(want) and all(g[0] == w[0] and abs(g[1] - w[1]) + abs(g[2] - w[2]) < 1e-6
+                                          for g, w in zip(got, want))
+
+
+def test_cpu_compute_leaves_out_host_waits_and_adam(tmp_path):
+    """On a CPU the compute row is the computing thread's marked segments, less its time elsewhere: inside `step`, a
+    C++ AdamW call and a host wait (for --delayed_update's thread) are rows of their own, not compute."""
+    rows = rows_from(tmp_path, segments=[("forward root", 0.0, 0.2), ("optimizer step", 0.2, 0.9)],
+                     waits=[("wait cpu adam", 0.3, 0.5)], adam=[(0.6, 0.8)])
+    assert close(rows["compute"], [("forward root", 0.0, 0.2), ("optimizer step", 0.2, 0.3),
+                                   ("optimizer step", 0.5, 0.6), ("optimizer step", 0.8, 0.9)]), rows["compute"]
+    assert close(rows["host waits"], [("wait cpu adam", 0.3, 0.5)]), rows["host waits"]
+    assert close(rows["cpu adam"], [("adam_step", 0.6, 0.8)]), rows["cpu adam"]
+
+
+def profile_trace():
+    """A hand-made torch.profiler Chrome trace (microseconds; its anchor's middle, 1001 us, is the host's 0.5 s): in
+    forward two kernels that touch and one after a gap, in step one kernel, then the host waits for the GPU
+    (cudaStreamSynchronize) and runs the C++ AdamW with no kernel running; an NCCL kernel and a copy on other
+    streams."""
+    x = lambda cat, name, ts, dur, tid=1, **args: dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, tid=tid, args=args)
+    launch = lambda ts, c: x("cuda_runtime", "cudaLaunchKernel", ts, 1, correlation=c)
+    return [x("user_annotation", Timeline.ANCHOR, 1000, 2),
+            launch(1010, 1), launch(1011, 2), launch(1012, 3), launch(1110, 4), launch(1120, 5), launch(1121, 6),
+            x("kernel", "sgemm", 1015, 20, stream=7, correlation=1),
+            x("kernel", "softmax", 1035, 10, stream=7, correlation=2),
+            x("kernel", "gelu", 1060, 10, stream=7, correlation=3),  # launched in forward, runs after a gap
+            x("kernel", "norm", 1112, 5, stream=7, correlation=4),  # the optimizer step's
+            x("kernel", "ncclDevKernel_AllReduce", 1130, 50, stream=30, correlation=5),
+            x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 1200, 30, stream=40, correlation=6),
+            x("cuda_runtime", "cudaStreamSynchronize", 1150, 100),
+            x("cuda_runtime", "cudaStreamSynchronize", 1160, 10, tid=99)]  # another thread's (a watchdog's)
+
+
+def test_gpu_compute_is_the_kernels(tmp_path):
+    """On a GPU the compute row is the compute stream's kernels, each named by the marked segment in which it was
+    launched: a stream idle while the host waits for it or runs the C++ AdamW is no compute, though both lie inside
+    the marks of `step`; the host's synchronize is a host wait; NCCL kernels and copies are not compute."""
+    from instruments import read_profile
+    kernels, waits = read_profile(profile_trace(), Timeline.ANCHOR, 0.5)
+    s = lambda us: 0.5 + (us - 1001) / 1e6
+    rows = rows_from(tmp_path, segments=[("forward root", s(1005), s(1100)), ("optimizer step", s(1100), s(1400))],
+                     waits=waits, adam=[(s(1260), s(1390))], kernels=kernels, cuda=True)
+    assert close(rows["compute"], [("forward root", s(1015), s(1045)), ("forward root", s(1060), s(1070)),
+                                   ("optimizer step", s(1112), s(1117))]), rows["compute"]
+    assert close(rows["host waits"], [("wait cudaStreamSynchronize", s(1150), s(1250))]), rows["host waits"]
+    assert close(rows["cpu adam"], [("adam_step", s(1260), s(1390))]), rows["cpu adam"]
+
+
+def test_delayed_update_wait_is_a_host_wait(timeline):
+    """offload --delayed_update: the host's wait for the update in flight is drawn in the host waits row, on every
+    rank, and compute never covers it; bench/timeline.py prints how much of it compute overlapped (none, on a CPU)."""
+    printed, trace, _ = timeline("offload.py", "--delayed_update")
+    for rank in (0, 1):
+        waits = spans(trace, rank, lambda e: e["cat"] == "host waits" and e["name"] == "wait cpu adam")
+        assert waits, f"rank {rank}: no host wait for --delayed_update's thread"
+        computes = spans(trace, rank, lambda e: e["cat"] == "compute")
+        covered = any(overlap(w, c) > 1e-3 for w in waits for c in computes)
+        assert not covered, f"rank {rank}: compute during a host wait"
+    assert re.search(r"^host waits overlapped by compute: 0\.0%", printed, re.M), printed
+
+
+def test_cpu_adam_in_step_is_not_compute(timeline):
+    """offload without --delayed_update runs the C++ AdamW inside `step` on the computing thread: compute never covers
+    it."""
+    _, trace, _ = timeline("offload.py")
+    for rank in (0, 1):
+        adam = spans(trace, rank, lambda e: e["cat"] == "cpu adam")
+        computes = spans(trace, rank, lambda e: e["cat"] == "compute")
+        assert adam and not any(overlap(a, c) > 1e-3 for a in adam for c in computes), f"rank {rank}: adam as compute"
