@@ -115,7 +115,7 @@ class Misuse:  # what an engine refuses, one line each (train_gpt.trained and ev
                    "part in the loss; freeze the others (requires_grad_(False)) before building the engine")
     NO_BACKWARD = ("engine.step: no engine.backward(loss, sync=True) since the last step: call it on each step's last "
                    "micro-step")
-    META = ("a tensor on the meta device that no engine can make: ZeRO-3's (stage3.py, offload.py) make trained "
-            "parameters with the model's init_weight(p), as GPT.init_weight; build the rest, or the model, on a device")
+    META = ("a tensor on the meta device that no engine can make: an engine makes trained parameters from the meta "
+            "device with the model's init_weight(p), as GPT.init_weight; build the rest, or the model, on a device")
     CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
                "replaced, requires_grad switched): build the engine after the model's last change")

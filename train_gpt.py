@@ -88,7 +88,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied: one tensor, counted once in Ψ
         self.seed = torch.initial_seed()  # torch.manual_seed's when the model is built: each parameter's init uses it
         for p in self.parameters():
-            if not p.is_meta:  # on the meta device (shapes only), ZeRO-3's engines call init_weight unit by unit
+            if not p.is_meta:  # on the meta device (shapes only), the engine calls init_weight bucket by bucket
                 self.init_weight(p)
 
     @torch.no_grad()
@@ -373,8 +373,9 @@ def train_step(engine, data, args, step, device, measured=None):
     return loss_sum.item(), grad_norm, sent
 
 def build_model(Engine, cfg, device, dtype, checkpoint_activations=False):
-    """The GPT on the device; for ZeRO-3's engines (Engine.from_meta) on the meta device, shapes without storage: the
-    engine makes it a unit at a time, and no rank ever holds the whole model."""
+    """The GPT on the device; for an engine that makes the model itself (Engine.from_meta: every stage's) on the meta
+    device, shapes without storage: the engine makes it a bucket at a time (ZeRO-3's keep only their shard of each, so
+    no rank ever holds the whole model)."""
     if getattr(Engine, "from_meta", False):
         with torch.device("meta"):
             return GPT(cfg, checkpoint_activations).to(dtype=dtype)

@@ -63,7 +63,7 @@ def broken(tmp_path, stage, old, new):
 
 def test_common_mistakes_are_named(tmp_path):
     """Summing instead of averaging (stage 0), and keeping the full gradient after backward (stage 2)."""
-    summed = broken(tmp_path, "stage0_ddp.py", "comm.all_reduce(b.grad, async_op=True)",
+    summed = broken(tmp_path, "stage0_ddp.py", "comm.all_reduce(b.grad, op=dist.ReduceOp.AVG, async_op=True)",
                     "comm.all_reduce(b.grad, op=dist.ReduceOp.SUM, async_op=True)")
     kept = broken(tmp_path, "stage2.py", "b.grad = b.reduced = b.work = None", "b.reduced = b.work = None")
     code, out = grade([summed, kept], tmp_path, "(parity and broken_stage0 and 2) or (freed and broken_stage2 and 2)")
