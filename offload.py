@@ -185,7 +185,9 @@ class OffloadEngine:
         b.param.untyped_storage().resize_(0)
 
     def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
-        order = self.backward_order if b.waiting else order  # b waits for gradients: its backward, or its recompute
+        # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
+        order = self.backward_order if b.waiting else order
+        # [/Recompute]
         if b not in order:
             order.append(b)  # the first pass records the order; later passes prefetch by it
         self._gather(b)
@@ -196,8 +198,10 @@ class OffloadEngine:
             self._gather(order[order.index(b) + 1])
 
     def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
-        if b.waiting:  # b's recompute (--checkpoint_activations) in its backward: keep them; _grad_ready frees them
+        # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
+        if b.waiting:
             return
+        # [/Recompute]
         self._free(b)
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
