@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.utils.cpp_extension
 
 from train_gpt import (OPENMP, Misuse, build_cpu_adam, clip_coef, comm, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source,
-                       main, set_cpu_adam_threads, sum_of_squares, trained)
+                       main, require, set_cpu_adam_threads, sum_of_squares, trained)
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
     """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
@@ -211,8 +211,7 @@ class OffloadEngine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        if b.waiting == 0:  # engine.backward did not arm this hook
-            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -243,8 +242,7 @@ class OffloadEngine:
     # [/Offload]
 
     def forward(self, *args, **kwargs):
-        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
-            raise RuntimeError(Misuse.CHANGED)
+        require({id(p) for _, p in trained(self.model)} == set(map(id, self.bucket_of)), Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
@@ -252,16 +250,14 @@ class OffloadEngine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
-            raise RuntimeError(Misuse.NO_GRADIENT)
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         while self.in_flight:
             self._release(self.in_flight.pop())
         if sync:
             self.grads_on_host = self.copies.event()  # fires when the last gradient shard has landed on the CPU
 
     def step(self, lr):
-        if not self.sync:
-            raise RuntimeError(Misuse.NO_BACKWARD)
+        require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [Offload] wait for the gradients on the CPU; the global norm; C++ AdamW there; the new parameters back
         self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory

@@ -108,7 +108,12 @@ def gpt_config(args, presets, config):
         raise SystemExit(f"error: --n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}")
     return cfg
 
-class Misuse:  # what an engine refuses, one line each (train_gpt.trained and every Engine raise them)
+def require(condition, misuse):
+    """An engine's guard: unless condition holds, refuse the misuse (a Misuse line, which names the fix)."""
+    if not condition:
+        raise RuntimeError(misuse)
+
+class Misuse:  # what an engine refuses, one line each (train_gpt.trained and every Engine, through require)
     OUTSIDE_BACKWARD = ("a gradient arrived outside engine.backward (was loss.backward() called directly?): call "
                         "engine.backward(loss, sync), which arms the engine's hooks and reduces gradients across ranks")
     NO_GRADIENT = ("engine.backward: a trained parameter got no gradient: each parameter that requires grad must take "

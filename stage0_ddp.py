@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both."""
@@ -77,8 +77,7 @@ class DDPEngine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's all-reduce starts now, under backward."""
         b = self.bucket_of[p]
-        if b.waiting == 0:  # engine.backward did not arm this hook
-            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
@@ -87,8 +86,7 @@ class DDPEngine:
     # [/DDP]
 
     def forward(self, *args, **kwargs):
-        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
-            raise RuntimeError(Misuse.CHANGED)
+        require({id(p) for _, p in trained(self.model)} == set(map(id, self.bucket_of)), Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     # [DDP] run backward (communicating only if sync: no_sync before the last micro-step), then wait for every bucket
@@ -97,16 +95,14 @@ class DDPEngine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
-            raise RuntimeError(Misuse.NO_GRADIENT)
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         if sync:
             for b in self.buckets:
                 b.work.wait()
     # [/DDP]
 
     def step(self, lr):
-        if not self.sync:
-            raise RuntimeError(Misuse.NO_BACKWARD)
+        require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         norm = sum(sum_of_squares(b.grad) for b in self.buckets).sqrt()  # every rank holds the whole averaged gradient
         coef = clip_coef(norm, self.args.grad_clip)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
@@ -94,8 +94,7 @@ class ZeRO2Engine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        if b.waiting == 0:  # engine.backward did not arm this hook
-            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -120,8 +119,7 @@ class ZeRO2Engine:
     # [/ZeRO-2]
 
     def forward(self, *args, **kwargs):
-        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
-            raise RuntimeError(Misuse.CHANGED)
+        require({id(p) for _, p in trained(self.model)} == set(map(id, self.bucket_of)), Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
@@ -129,14 +127,12 @@ class ZeRO2Engine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
-            raise RuntimeError(Misuse.NO_GRADIENT)
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         while self.in_flight:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
-        if not self.sync:
-            raise RuntimeError(Misuse.NO_BACKWARD)
+        require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
