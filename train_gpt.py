@@ -229,8 +229,12 @@ class AdamW:
     tensors or buckets. It runs torch's fused kernel (torch.optim.AdamW(fused=True)'s: one pass over memory, no import
     of torch's compiler), and decays every parameter, as torch does by default (nanoGPT spares biases and norms)."""
     def __init__(self, param, args, eps=1e-8):
-        self.param, self.args, self.eps, self.t = param, args, eps, 0
-        self.exp_avg, self.exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+        self.param = param  # the fp32 tensor it updates in place: a master copy, or a shard of one
+        self.args = args  # lr schedule aside, the recipe: beta1, beta2, weight_decay
+        self.eps = eps
+        self.t = 0  # steps taken
+        self.exp_avg = torch.zeros_like(param)  # m
+        self.exp_avg_sq = torch.zeros_like(param)  # v
         self.step_tensor = torch.zeros((), dtype=torch.float32, device=param.device)  # where the kernel reads t
 
     @torch.no_grad()
