@@ -46,12 +46,12 @@ class CommLedger:
             return dist.ReduceOp.SUM
         return op
 
-    def all_reduce(self, t, op=dist.ReduceOp.AVG, async_op=False):
+    def all_reduce(self, t, op, async_op=False):
         self.sent["all_reduce"] += 2 * t.numel() * t.element_size() * self._ring()
         op = self._average_first(t, op)
         return self._call("all_reduce", dist.all_reduce, t, op=op, async_op=async_op)
 
-    def reduce_scatter(self, out, inp, op=dist.ReduceOp.AVG, async_op=False):
+    def reduce_scatter(self, out, inp, op, async_op=False):
         self.sent["reduce_scatter"] += inp.numel() * inp.element_size() * self._ring()
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
         op = self._average_first(inp, op)

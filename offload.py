@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.utils.cpp_extension
 
 from train_gpt import (OPENMP, Misuse, build_cpu_adam, clip_coef, comm, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source,
-                       main, set_cpu_adam_threads, sum_of_squares, trained)
+                       main, require, set_cpu_adam_threads, sum_of_squares, trained)
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
     """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
@@ -76,7 +76,7 @@ class Bucket:
 
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
-    from_meta = True  # ZeRO-3: main() builds the model on the meta device, and __init__ makes it unit by unit
+    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
 
     @staticmethod
     def add_args(parser):
@@ -90,7 +90,10 @@ class OffloadEngine:
         params = [p for _, p in trained(model)]
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         units = [*(units or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]), model]
-        self.buckets, self.bucket_of, self.offset, end = [], {}, {}, 0
+        self.buckets = []
+        self.bucket_of = {}  # parameter -> its bucket
+        self.offset = {}  # parameter -> where its elements start in its bucket
+        end = 0
         for m in units:  # the root comes last and takes the parameters no other unit owns
             b = Bucket(end, m)
             for p in m.parameters():
@@ -105,8 +108,9 @@ class OffloadEngine:
         # [/ZeRO-3]
 
         # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
-        # [ZeRO-3] a unit at a time: made (from the meta device) or copied, broadcast, cut to this rank's shard, freed
+        # [ZeRO-3] this rank's shard of every bucket's parameters: the only parameters it keeps
         self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)
+        # [/ZeRO-3]
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
@@ -116,9 +120,10 @@ class OffloadEngine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard(b)] = self._own(b.param)
-            self._free(b)  # so the whole model never exists on any rank
-        # [/ZeRO-3]
+            self._free(b)
+            # [/ZeRO-3]
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; C++ AdamW
@@ -180,7 +185,9 @@ class OffloadEngine:
         b.param.untyped_storage().resize_(0)
 
     def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
-        order = self.backward_order if b.waiting else order  # b waits for gradients: its backward, or its recompute
+        # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
+        order = self.backward_order if b.waiting else order
+        # [/Recompute]
         if b not in order:
             order.append(b)  # the first pass records the order; later passes prefetch by it
         self._gather(b)
@@ -191,8 +198,10 @@ class OffloadEngine:
             self._gather(order[order.index(b) + 1])
 
     def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
-        if b.waiting:  # b's recompute (--checkpoint_activations) in its backward: keep them; _grad_ready frees them
+        # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
+        if b.waiting:
             return
+        # [/Recompute]
         self._free(b)
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -202,8 +211,7 @@ class OffloadEngine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        if b.waiting == 0:  # engine.backward did not arm this hook
-            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -217,7 +225,7 @@ class OffloadEngine:
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
-            b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
+            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
@@ -234,8 +242,7 @@ class OffloadEngine:
     # [/Offload]
 
     def forward(self, *args, **kwargs):
-        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
-            raise RuntimeError(Misuse.CHANGED)
+        require({id(p) for _, p in trained(self.model)} == set(map(id, self.bucket_of)), Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
@@ -243,16 +250,14 @@ class OffloadEngine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
-            raise RuntimeError(Misuse.NO_GRADIENT)
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         while self.in_flight:
             self._release(self.in_flight.pop())
         if sync:
             self.grads_on_host = self.copies.event()  # fires when the last gradient shard has landed on the CPU
 
     def step(self, lr):
-        if not self.sync:
-            raise RuntimeError(Misuse.NO_BACKWARD)
+        require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [Offload] wait for the gradients on the CPU; the global norm; C++ AdamW there; the new parameters back
         self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory

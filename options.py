@@ -108,14 +108,19 @@ def gpt_config(args, presets, config):
         raise SystemExit(f"error: --n_embd {cfg.n_embd} is not divisible by --n_head {cfg.n_head}")
     return cfg
 
-class Misuse:  # what an engine refuses, one line each (train_gpt.trained and every Engine raise them)
+def require(condition, misuse):
+    """An engine's guard: unless condition holds, refuse the misuse (a Misuse line, which names the fix)."""
+    if not condition:
+        raise RuntimeError(misuse)
+
+class Misuse:  # what an engine refuses, one line each (train_gpt.trained and every Engine, through require)
     OUTSIDE_BACKWARD = ("a gradient arrived outside engine.backward (was loss.backward() called directly?): call "
                         "engine.backward(loss, sync), which arms the engine's hooks and reduces gradients across ranks")
     NO_GRADIENT = ("engine.backward: a trained parameter got no gradient: each parameter that requires grad must take "
                    "part in the loss; freeze the others (requires_grad_(False)) before building the engine")
     NO_BACKWARD = ("engine.step: no engine.backward(loss, sync=True) since the last step: call it on each step's last "
                    "micro-step")
-    META = ("a tensor on the meta device that no engine can make: ZeRO-3's (stage3.py, offload.py) make trained "
-            "parameters with the model's init_weight(p), as GPT.init_weight; build the rest, or the model, on a device")
+    META = ("a tensor on the meta device that no engine can make: an engine makes trained parameters from the meta "
+            "device with the model's init_weight(p), as GPT.init_weight; build the rest, or the model, on a device")
     CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
                "replaced, requires_grad switched): build the engine after the model's last change")

@@ -8,14 +8,17 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
 The idea: every rank holds every model state and averages the gradients while backward runs: a hook adds each
 finished gradient into its bucket (about --bucket_mb), whose all-reduce starts at once when complete (with --grad_accum,
 on the last micro-step only: DDP's no_sync). Every rank then runs the same AdamW; its memory stays flat as N grows.
+main() builds the model on the meta device (shapes, no storage), and the engine makes it a bucket at a time, in place:
+ZeRO-3 needs that (DeepSpeed's zero.Init), and every stage does it alike.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage0_ddp.py --preset tiny --steps 100
 """
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both."""
@@ -27,6 +30,7 @@ class Bucket:
 
 class DDPEngine:
     """Stage 0: every rank holds everything; gradient buckets are all-reduced during backward."""
+    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
 
     @staticmethod
     def add_args(parser):
@@ -38,7 +42,9 @@ class DDPEngine:
         params = [p for _, p in trained(model)][::-1]  # backward meets the last layers first: their bucket fills first
         # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
-        self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
+        self.buckets = [Bucket(0)]
+        self.bucket_of = {}  # parameter -> its bucket
+        self.offset = {}  # parameter -> where its elements start in its bucket
         for p in params:
             if self.buckets[-1].end - self.buckets[-1].start >= bucket_numel:
                 self.buckets.append(Bucket(self.buckets[-1].end))
@@ -52,6 +58,9 @@ class DDPEngine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
+                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
+                    model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
@@ -68,18 +77,16 @@ class DDPEngine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's all-reduce starts now, under backward."""
         b = self.bucket_of[p]
-        if b.waiting == 0:  # engine.backward did not arm this hook
-            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None  # the bucket holds the only gradient
         b.waiting -= 1
         if b.waiting == 0 and self.sync:
-            b.work = comm.all_reduce(b.grad, async_op=True)
+            b.work = comm.all_reduce(b.grad, op=dist.ReduceOp.AVG, async_op=True)  # the ranks' mean gradient
     # [/DDP]
 
     def forward(self, *args, **kwargs):
-        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
-            raise RuntimeError(Misuse.CHANGED)
+        require({id(p) for _, p in trained(self.model)} == set(map(id, self.bucket_of)), Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     # [DDP] run backward (communicating only if sync: no_sync before the last micro-step), then wait for every bucket
@@ -88,16 +95,14 @@ class DDPEngine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
-            raise RuntimeError(Misuse.NO_GRADIENT)
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         if sync:
             for b in self.buckets:
                 b.work.wait()
     # [/DDP]
 
     def step(self, lr):
-        if not self.sync:
-            raise RuntimeError(Misuse.NO_BACKWARD)
+        require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         norm = sum(sum_of_squares(b.grad) for b in self.buckets).sqrt()  # every rank holds the whole averaged gradient
         coef = clip_coef(norm, self.args.grad_clip)

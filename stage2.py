@@ -14,8 +14,9 @@ Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one
 """
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
@@ -29,6 +30,7 @@ class Bucket:
 
 class ZeRO2Engine:
     """Stage 2: optimizer states and gradients sharded; a bucket's gradient is freed once reduce-scattered."""
+    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
 
     @staticmethod
     def add_args(parser):
@@ -40,7 +42,9 @@ class ZeRO2Engine:
         params = [p for _, p in trained(model)][::-1]  # backward meets the last layers first: their bucket fills first
         # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
-        self.buckets, self.bucket_of, self.offset = [Bucket(0)], {}, {}
+        self.buckets = [Bucket(0)]
+        self.bucket_of = {}  # parameter -> its bucket
+        self.offset = {}  # parameter -> where its elements start in its bucket
         for p in params:
             if self.buckets[-1].end - self.buckets[-1].start >= bucket_numel:
                 self.buckets.append(Bucket(self._pad(self.buckets[-1])))
@@ -54,6 +58,9 @@ class ZeRO2Engine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
+                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
+                    model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
@@ -87,8 +94,7 @@ class ZeRO2Engine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        if b.waiting == 0:  # engine.backward did not arm this hook
-            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -99,7 +105,7 @@ class ZeRO2Engine:
         if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
-            b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
+            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
@@ -113,8 +119,7 @@ class ZeRO2Engine:
     # [/ZeRO-2]
 
     def forward(self, *args, **kwargs):
-        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
-            raise RuntimeError(Misuse.CHANGED)
+        require({id(p) for _, p in trained(self.model)} == set(map(id, self.bucket_of)), Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
@@ -122,14 +127,12 @@ class ZeRO2Engine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
-            raise RuntimeError(Misuse.NO_GRADIENT)
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         while self.in_flight:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
-        if not self.sync:
-            raise RuntimeError(Misuse.NO_BACKWARD)
+        require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard

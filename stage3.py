@@ -8,7 +8,8 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
 The idea: a bucket is a module's parameters, the unit of gathering: each block of an nn.ModuleList (or each module of
 `units=[...]`), the root taking the rest. Hooks gather a unit's parameters just before its forward and its backward,
 prefetching the next unit's, and free them right after (the storage resized to zero): a rank holds a unit or two beyond
-the formula. Nor is the model ever whole: main() builds it on the meta device, and the engine makes it unit by unit.
+the formula. Nor is the model ever whole: the engine makes it unit by unit (from the meta device, as every stage
+does) and keeps only its shard of each.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, sum_of_squares, trained
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -32,7 +33,7 @@ class Bucket:
 
 class ZeRO3Engine:
     """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
-    from_meta = True  # ZeRO-3: main() builds the model on the meta device, and __init__ makes it unit by unit
+    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
 
     @staticmethod
     def add_args(parser):
@@ -44,7 +45,10 @@ class ZeRO3Engine:
         params = [p for _, p in trained(model)]
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         units = [*(units or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]), model]
-        self.buckets, self.bucket_of, self.offset, end = [], {}, {}, 0
+        self.buckets = []
+        self.bucket_of = {}  # parameter -> its bucket
+        self.offset = {}  # parameter -> where its elements start in its bucket
+        end = 0
         for m in units:  # the root comes last and takes the parameters no other unit owns
             b = Bucket(end, m)
             for p in m.parameters():
@@ -59,8 +63,9 @@ class ZeRO3Engine:
         # [/ZeRO-3]
 
         # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
-        # [ZeRO-3] a unit at a time: made (from the meta device) or copied, broadcast, cut to this rank's shard, freed
+        # [ZeRO-3] this rank's shard of every bucket's parameters: the only parameters it keeps
         self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)
+        # [/ZeRO-3]
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
@@ -70,9 +75,10 @@ class ZeRO3Engine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard(b)] = self._own(b.param)
-            self._free(b)  # so the whole model never exists on any rank
-        # [/ZeRO-3]
+            self._free(b)
+            # [/ZeRO-3]
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
@@ -116,7 +122,9 @@ class ZeRO3Engine:
         b.param.untyped_storage().resize_(0)
 
     def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
-        order = self.backward_order if b.waiting else order  # b waits for gradients: its backward, or its recompute
+        # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
+        order = self.backward_order if b.waiting else order
+        # [/Recompute]
         if b not in order:
             order.append(b)  # the first pass records the order; later passes prefetch by it
         self._gather(b)
@@ -127,8 +135,10 @@ class ZeRO3Engine:
             self._gather(order[order.index(b) + 1])
 
     def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
-        if b.waiting:  # b's recompute (--checkpoint_activations) in its backward: keep them; _grad_ready frees them
+        # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
+        if b.waiting:
             return
+        # [/Recompute]
         self._free(b)
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -138,8 +148,7 @@ class ZeRO3Engine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        if b.waiting == 0:  # engine.backward did not arm this hook
-            raise RuntimeError(Misuse.OUTSIDE_BACKWARD)
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
@@ -153,7 +162,7 @@ class ZeRO3Engine:
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
-            b.work = comm.reduce_scatter(b.reduced, b.grad, async_op=True)
+            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
@@ -167,8 +176,7 @@ class ZeRO3Engine:
     # [/ZeRO-2]
 
     def forward(self, *args, **kwargs):
-        if {id(p) for _, p in trained(self.model)} != set(map(id, self.bucket_of)):  # identities only: cheap
-            raise RuntimeError(Misuse.CHANGED)
+        require({id(p) for _, p in trained(self.model)} == set(map(id, self.bucket_of)), Misuse.CHANGED)
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
@@ -176,14 +184,12 @@ class ZeRO3Engine:
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        if any(b.waiting for b in self.buckets):  # a bucket still waits for a gradient that never came
-            raise RuntimeError(Misuse.NO_GRADIENT)
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         while self.in_flight:
             self._release(self.in_flight.pop())
 
     def step(self, lr):
-        if not self.sync:
-            raise RuntimeError(Misuse.NO_BACKWARD)
+        require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard

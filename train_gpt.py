@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (check
 
 from checkpoint import (checkpoint_due, consolidate, load_checkpoint, load_consolidated, plan_checkpoints,
                         save_checkpoint)
-from options import Misuse, check_args, gpt_config, load_text, parse_args
+from options import Misuse, check_args, gpt_config, load_text, parse_args, require
 from devices import (OPENMP, build_cpu_adam, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source, from_rank0,  # noqa: F401
                      init_distributed, pick_device, pick_dtype, set_cpu_adam_threads, stop)
 from instruments import (PeakMemory, Timeline, comm, evaluate, finish, holdings, log, pinned_bytes, progress,
@@ -88,7 +88,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied: one tensor, counted once in Ψ
         self.seed = torch.initial_seed()  # torch.manual_seed's when the model is built: each parameter's init uses it
         for p in self.parameters():
-            if not p.is_meta:  # on the meta device (shapes only), ZeRO-3's engines call init_weight unit by unit
+            if not p.is_meta:  # on the meta device (shapes only), the engine calls init_weight bucket by bucket
                 self.init_weight(p)
 
     @torch.no_grad()
@@ -229,8 +229,12 @@ class AdamW:
     tensors or buckets. It runs torch's fused kernel (torch.optim.AdamW(fused=True)'s: one pass over memory, no import
     of torch's compiler), and decays every parameter, as torch does by default (nanoGPT spares biases and norms)."""
     def __init__(self, param, args, eps=1e-8):
-        self.param, self.args, self.eps, self.t = param, args, eps, 0
-        self.exp_avg, self.exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+        self.param = param  # the fp32 tensor it updates in place: a master copy, or a shard of one
+        self.args = args  # lr schedule aside, the recipe: beta1, beta2, weight_decay
+        self.eps = eps
+        self.t = 0  # steps taken
+        self.exp_avg = torch.zeros_like(param)  # m
+        self.exp_avg_sq = torch.zeros_like(param)  # v
         self.step_tensor = torch.zeros((), dtype=torch.float32, device=param.device)  # where the kernel reads t
 
     @torch.no_grad()
@@ -373,8 +377,9 @@ def train_step(engine, data, args, step, device, measured=None):
     return loss_sum.item(), grad_norm, sent
 
 def build_model(Engine, cfg, device, dtype, checkpoint_activations=False):
-    """The GPT on the device; for ZeRO-3's engines (Engine.from_meta) on the meta device, shapes without storage: the
-    engine makes it a unit at a time, and no rank ever holds the whole model."""
+    """The GPT on the device; for an engine that makes the model itself (Engine.from_meta: every stage's) on the meta
+    device, shapes without storage: the engine makes it a bucket at a time (ZeRO-3's keep only their shard of each, so
+    no rank ever holds the whole model)."""
     if getattr(Engine, "from_meta", False):
         with torch.device("meta"):
             return GPT(cfg, checkpoint_activations).to(dtype=dtype)

@@ -11,11 +11,16 @@ So the ledger's all-gather bytes per step stay the formula's without checkpointi
     2 x grad_accum x Ψ' x param_bytes x (N-1)/N.
 Without that handling, stage 3 either runs a block's backward on freed storage or trains on stale parameters: both
 fail here. With the switch, the peak falls (stage 3 at N = 4)."""
+import sys
+
 import pytest
 
 from conftest import ROOT, last_lines
 from test_stages import BLOCK, BUCKETS, LOSS_ATOL, MODEL, NORM_RTOL, TRAIN, compare_params, first_difference
 from test_stages import reference  # noqa: F401  (the fixture: the reference run without the switch)
+
+sys.path.insert(0, str(ROOT / "course"))
+from make_lessons import step as without_idea  # noqa: E402
 
 SWITCH = ["--checkpoint_activations"]
 ZERO3 = {"stage3": str(ROOT / "stage3.py"), "offload": str(ROOT / "offload.py")}
@@ -157,23 +162,14 @@ def test_zero3_recompute_without_early_stop(runner, reference, checked_scripts, 
     assert not found, "\n".join(found)
 
 
-# ---- without the recompute handling (ZeRO-3's hooks as they were before checkpointing), stage 3 goes wrong
-
-UNHANDLED = [  # (what stage3.py says, what it said before it told a recompute from a forward)
-    ("        order = self.backward_order if b.waiting else order  # b waits for gradients: its backward, or its "
-     "recompute\n", ""),
-    ("        if b.waiting:  # b's recompute (--checkpoint_activations) in its backward: keep them; _grad_ready frees "
-     "them\n            return\n", ""),
-]
-
+# ---- without the recompute handling (stage3.py less its [Recompute] regions), stage 3 goes wrong
 
 @pytest.fixture(scope="module")
 def unhandled(tmp_path_factory):
-    """stage3.py without the recompute handling, as a file, and CHECKED around it."""
-    source = (ROOT / "stage3.py").read_text()
-    for old, new in UNHANDLED:
-        assert source.count(old) == 1, f"stage3.py no longer contains {old!r} once: update this test"
-        source = source.replace(old, new)
+    """stage3.py without its [Recompute] regions (course/make_lessons.py's step before the recompute lesson), as a
+    file, and CHECKED around it."""
+    source = without_idea("stage3.py - Recompute")
+    assert source != (ROOT / "stage3.py").read_text(), "stage3.py has no [Recompute] region"
     path = tmp_path_factory.mktemp("unhandled") / "stage3.py"
     path.write_text(source)
     return str(path), checked(tmp_path_factory, "stage3", str(path))

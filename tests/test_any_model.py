@@ -58,7 +58,7 @@ def test_offload_grad_waits_for_the_gradient_copies(runner):
 def test_the_example_fails_on_a_mismatch(runner, tmp_path):
     """Gradients summed over the ranks instead of averaged: the example exits non-zero and names the norm."""
     source = (ROOT / "stage0_ddp.py").read_text()
-    old = "comm.all_reduce(b.grad, async_op=True)"
+    old = "comm.all_reduce(b.grad, op=dist.ReduceOp.AVG, async_op=True)"
     assert source.count(old) == 1, "stage0_ddp.py changed: update this test"
     broken = tmp_path / "summed_stage0.py"
     broken.write_text(source.replace(old, "comm.all_reduce(b.grad, op=dist.ReduceOp.SUM, async_op=True)"))
@@ -129,7 +129,8 @@ def test_parameter_without_gradient_is_refused(world_of_one, stage_file):
 
 
 def test_a_model_on_the_meta_device_without_init_weight_is_refused(world_of_one, stage_file):
-    """Only ZeRO-3's engines make parameters, with the model's init_weight(p); buffers and frozen ones never."""
+    """Every engine makes trained parameters from the meta device, with the model's init_weight(p); buffers and frozen
+    ones never."""
     with torch.device("meta"):
         model = any_model.SetClassifier()
     refused(lambda: build(stage_file, world_of_one, model), Misuse.META)

@@ -69,6 +69,7 @@ COVERED = {
         "test_grading",
     "python -m pytest tests --gpu": "test_gpu_suite_skips_without_cuda",
     "python course/make_exercise.py stage2.py": "test_make_exercise",
+    "python course/make_lessons.py": "test_make_lessons",
     # examples/README.md
     "torchrun --standalone --nproc_per_node 2 examples/any_model.py --stage stage2.py":
         "tests/test_any_model.py::test_any_model_matches_the_reference",
@@ -320,6 +321,15 @@ def test_quick_check():
     out = run("python -m pytest tests -m quick", "--collect-only", "-q", "-p", "no:cacheprovider")
     selected = sorted(ln.split("::")[-1] for ln in out.splitlines() if "::" in ln)
     assert selected == sorted(f"test_parity_with_reference[{s.removesuffix('.py')}-2]" for s in STAGES), selected
+
+
+def test_make_lessons(tmp_path):
+    """python course/make_lessons.py: a diff per lesson in course/lessons/ (here: --out elsewhere), and the table README
+    shows (tests/test_course.py checks the diffs apply, tests/test_readme.py the table)."""
+    out = run("python course/make_lessons.py", "--out", tmp_path / "lessons")
+    written = sorted(p.name for p in (tmp_path / "lessons").iterdir())
+    assert written == sorted(p.name for p in (ROOT / "course" / "lessons").glob("*.diff")) and len(written) >= 7, written
+    assert out.count(".diff`") == len(written), out
 
 
 def test_make_exercise(tmp_path):

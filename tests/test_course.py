@@ -1,12 +1,18 @@
 """The course kit: an exercise made from each stage fails the suite and says what is missing; a stage broken in a
-way students often break it fails with the message that names the mistake. (The reference passing is test_stages.)"""
+way students often break it fails with the message that names the mistake; the lessons (a diff per idea) are current,
+apply one after another, and the steps between them train as the stages do. (The stages passing is test_stages.)"""
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, STAGES
+from test_stages import LOSS_ATOL, MODEL, NORM_RTOL, TRAIN, compare_params, first_difference
+from test_stages import reference  # noqa: F401  (the fixture: the single-process reference run)
 
 sys.path.insert(0, str(ROOT / "course"))
 from make_exercise import OPTIONS, make_exercise, newest_idea, tags_in  # noqa: E402
+from make_lessons import LESSONS, file_name, lesson, step  # noqa: E402
 
 
 def grade(paths, tmp_path, select):
@@ -63,9 +69,43 @@ def broken(tmp_path, stage, old, new):
 
 def test_common_mistakes_are_named(tmp_path):
     """Summing instead of averaging (stage 0), and keeping the full gradient after backward (stage 2)."""
-    summed = broken(tmp_path, "stage0_ddp.py", "comm.all_reduce(b.grad, async_op=True)",
+    summed = broken(tmp_path, "stage0_ddp.py", "comm.all_reduce(b.grad, op=dist.ReduceOp.AVG, async_op=True)",
                     "comm.all_reduce(b.grad, op=dist.ReduceOp.SUM, async_op=True)")
     kept = broken(tmp_path, "stage2.py", "b.grad = b.reduced = b.work = None", "b.reduced = b.work = None")
     code, out = grade([summed, kept], tmp_path, "(parity and broken_stage0 and 2) or (freed and broken_stage2 and 2)")
     assert code != 0 and "summed over the ranks, not averaged" in out, out[-3000:]
     assert "memory of the full gradient" in out, out[-3000:]
+
+
+def test_lessons_are_current_and_apply_in_turn(tmp_path):
+    """course/lessons/ holds each lesson as course/make_lessons.py writes it, and `patch` takes stage0_ddp.py through
+    every step to offload.py, one lesson at a time: each diff is one idea, and the ideas add up to the ladder."""
+    work = tmp_path / "step.py"
+    work.write_text(step(LESSONS[0][1]))
+    for name, before, after, _ in LESSONS:
+        published = ROOT / "course" / "lessons" / f"{name}.diff"
+        assert published.exists() and published.read_text() == lesson(before, after)[0], (
+            f"{published.relative_to(ROOT)} is not the diff of {before} and {after}: run python course/make_lessons.py")
+        assert work.read_text() == step(before)
+        p = subprocess.run(["patch", "--silent", "--no-backup-if-mismatch", str(work), str(published)],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and work.read_text() == step(after), f"{name}.diff does not apply:\n{p.stdout}{p.stderr}"
+    assert work.read_text() == (ROOT / "offload.py").read_text()
+
+
+BETWEEN = sorted({s for _, before, after, _ in LESSONS for s in (before, after) if " - " in s})
+
+
+@pytest.mark.parametrize("name", BETWEEN)
+def test_the_steps_between_match_the_reference(runner, reference, tmp_path_factory, name):
+    """A step between two files (a file less an idea's regions) is a stage of its own: it trains on 2 ranks to the
+    single-process reference's numbers, as the stage files do (test_stages.py's tolerances)."""
+    path = tmp_path_factory.mktemp("steps") / file_name(name)
+    path.write_text(step(name))
+    run = runner.run(str(path), 2, *MODEL, *TRAIN)
+    where = f"{name} at N=2"
+    k = first_difference(reference.summary["grad_norms"], run.summary["grad_norms"], NORM_RTOL)
+    assert k is None, f"{where}: gradient norm at step {k}"
+    k = first_difference(reference.summary["losses"], run.summary["losses"], LOSS_ATOL)
+    assert k is None, f"{where}: loss at step {k}"
+    compare_params(reference.master, run.master, where)

@@ -1,0 +1,141 @@
+"""
+make_lessons.py: the ladder as lessons, one idea each, as diffs a student reads and a teacher hands out.
+
+Most steps of the ladder are whole files: `diff stage1.py stage2.py` is ZeRO-2. Two files carry more than one idea,
+each fenced as the exercises are (`# [TAG] ...` to `# [/TAG]`): stage3.py holds the recompute that activation
+checkpointing needs ([Recompute]), and offload.py its two options ([ZeRO-3 Offload], [DPU]). Without an idea's
+regions such a file still runs, without that idea; each lesson is the diff between two steps:
+
+    python course/make_lessons.py                    # writes course/lessons/NN_name.diff, and prints the table
+    python course/make_lessons.py --files DIR        # also writes the files between the steps, to run or read
+
+The counts split the changed lines into code and the rest (comments, docstrings, blank lines), as README's table
+shows them; tests/test_course.py checks that the lessons here are current and apply, one after the other.
+"""
+import argparse
+import difflib
+import io
+import re
+import sys
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "course"))
+from make_exercise import BEGIN, END  # noqa: E402
+
+# (lesson, the step before, the step after, the idea). A step is a file, less the regions of the ideas after " - ".
+LESSONS = [
+    ("1_zero1", "stage0_ddp.py", "stage1.py", "optimizer states partitioned (ZeRO-1)"),
+    ("2_zero2", "stage1.py", "stage2.py", "gradients partitioned (ZeRO-2)"),
+    ("3_zero3", "stage2.py", "stage3.py - Recompute", "parameters partitioned (ZeRO-3): units gathered, prefetched, freed"),
+    ("4_recompute", "stage3.py - Recompute", "stage3.py", "a unit gathered again for its recompute (activation checkpointing)"),
+    ("5_offload", "stage3.py", "offload.py - ZeRO-3 Offload - DPU", "the optimizer on the CPU (ZeRO-Offload)"),
+    ("6_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
+     "the parameter shard on the CPU too (--offload_params)"),
+    ("7_delayed_update", "offload.py - DPU", "offload.py", "the CPU update during the next step (--delayed_update)"),
+]
+
+
+def without(source, tags):
+    """source less every region fenced with one of `tags` (the fences too)."""
+    lines, out, i = source.splitlines(keepends=True), [], 0
+    while i < len(lines):
+        m = BEGIN.match(lines[i].rstrip("\n"))
+        if not m or m.group("tag") not in tags:
+            out.append(lines[i])
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not ((e := END.match(lines[j])) and e.group("tag") == m.group("tag")):
+            j += 1
+        if j == len(lines):
+            raise SystemExit(f"error: line {i + 1}: `# [{m.group('tag')}]` has no closing `# [/{m.group('tag')}]`")
+        i = j + 1
+    return "".join(out)
+
+
+def step(name, root=ROOT):
+    """The text of a step: 'stage3.py', or 'offload.py - DPU' (offload.py without its [DPU] regions)."""
+    path, *less = [part.strip() for part in name.split(" - ")]
+    return without((root / path).read_text(), less)
+
+
+def shown(name):
+    """A step as README's table names it: 'offload.py - ZeRO-3 Offload - DPU' -> 'offload.py less [ZeRO-3 Offload],
+    [DPU]'."""
+    path, *less = [part.strip() for part in name.split(" - ")]
+    return path + (" less " + ", ".join(f"[{tag}]" for tag in less) if less else "")
+
+
+def file_name(name):
+    """Where --files writes a step: 'offload.py - ZeRO-3 Offload - DPU' -> offload_without_ZeRO-3_Offload_DPU.py."""
+    path, *less = [part.strip() for part in name.split(" - ")]
+    if not less:
+        return path
+    return path.removesuffix(".py") + "_without_" + "_".join(less).replace(" ", "_") + ".py"
+
+
+def split(text):
+    """Each line's code tokens and its prose (comments, docstrings), as two lists of non-empty lines."""
+    code, prose, before = {}, {}, tokenize.NEWLINE
+    skip = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in skip:
+            before = tok.type
+        elif tok.type == tokenize.COMMENT:
+            prose.setdefault(tok.start[0], []).append(tok.string)
+        elif tok.type == tokenize.STRING and before in skip:  # a string that is a statement of its own: a docstring
+            for k, line in enumerate(tok.string.splitlines()):
+                prose.setdefault(tok.start[0] + k, []).append(line.strip())
+            before = tokenize.NEWLINE
+        else:
+            code.setdefault(tok.start[0], []).append(tok.string)
+            before = tok.type
+    return [" ".join(code[k]) for k in sorted(code)], [" ".join(prose[k]) for k in sorted(prose)]
+
+
+def changed(a, b):
+    """How many lines a line diff of the lists a and b removes and adds."""
+    return sum(i2 - i1 + j2 - j1 for op, i1, i2, j1, j2 in
+               difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes() if op != "equal")
+
+
+def lesson(before, after):
+    """(the unified diff of two steps, code lines changed, prose lines changed). Code lines are compared by their
+    tokens alone, so a line whose comment changed counts as prose only."""
+    a, b = step(before), step(after)
+    diff = "".join(difflib.unified_diff(a.splitlines(keepends=True), b.splitlines(keepends=True), before, after))
+    (code_a, prose_a), (code_b, prose_b) = split(a), split(b)
+    return diff, changed(code_a, code_b), changed(prose_a, prose_b)
+
+
+def table():
+    """README's rows: | `NN_name.diff` | code | comments and docstrings | the idea |."""
+    rows = ["| lesson (`course/lessons/`) | code lines changed | comment and docstring lines | the idea |", "|---|---|---|---|"]
+    for name, before, after, idea in LESSONS:
+        _, code, other = lesson(before, after)
+        rows.append(f"| `{name}.diff`: {shown(before)} → {shown(after)} | {code} | {other} | {idea} |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Write the ladder's lessons, a diff per idea, to course/lessons/.")
+    p.add_argument("--out", default=str(ROOT / "course" / "lessons"), help="where the diffs go")
+    p.add_argument("--files", default=None, metavar="DIR", help="also write each step's file here")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, before, after, _ in LESSONS:
+        diff, _, _ = lesson(before, after)
+        (out / f"{name}.diff").write_text(diff)
+        if args.files:
+            for s in (before, after):
+                target = Path(args.files) / file_name(s)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(step(s))
+    print(table())
+
+
+if __name__ == "__main__":
+    main()
