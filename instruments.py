@@ -358,12 +358,13 @@ def native_stderr_without(patterns):
 def holdings(model_states, data, device):
     """What this rank holds, in bytes: its model states by category, and, on a GPU, where each category's tensors are
     ("device", "host", or "device and host"; on a CPU device and host are one memory: no word); every other tensor on
-    the device (all live ones less the states and the data set there: buffers in flight, leaks); pinned host memory (with CUDA): the live pinned storages, each rounded up to a
-    power of two as PyTorch's pinned-memory cache takes it. (The cache's own counter, torch.cuda.host_memory_stats,
-    also holds the blocks each batch was pinned in, freed or still in flight, and cached blocks.)"""
+    the device (all live ones less the states and the data set there: buffers in flight, leaks); pinned host memory
+    (with CUDA): the live pinned storages, each rounded up to a power of two as PyTorch's pinned-memory cache takes
+    it. (The cache's own counter, torch.cuda.host_memory_stats, also holds the blocks each batch was pinned in, freed
+    or still in flight, and cached blocks.)"""
     on_device = [t for t in sum(model_states.values(), []) + data if t.device.type == device.type]
     places = {k: {"device" if t.device.type == device.type else "host" for t in v} for k, v in model_states.items()}
-    where = {k: " and ".join(sorted(p, reverse=True)) or None for k, p in places.items()}
+    where = {k: " and ".join(sorted(p)) or None for k, p in places.items()}
     return dict(states={k: storage_bytes(v) for k, v in model_states.items()},
                 where=where if device.type != "cpu" else {},
                 other=live_tensor_bytes(device) - storage_bytes(on_device),
@@ -503,7 +504,7 @@ def summarize(stage, args, cfg, data, engine, history, measured, step_times, th,
                 peak_memory_bytes=measured["peak"], other_tensor_bytes=measured["other"],
                 pinned_host_bytes={"measured": measured["pinned"], "theory": th["pinned"]},
                 model_state_bytes={k: {"measured": states.get(k, 0), "theory": v,  # where: its tensors' device (GPU)
-                                       "where": where[k] if where else "host" if k in th["host"] else "device"}
+                                       "where": where.get(k) if where else "host" if k in th["host"] else "device"}
                                    for k, v in th["states"].items()},
                 model_state_bytes_per_rank=[s for s, _ in ranks], peak_memory_bytes_per_rank=[p for _, p in ranks],
                 activation_checkpoints=activation_checkpoints(args, cfg, world_size),

@@ -126,7 +126,7 @@ class FakeCuda(TorchDispatchMode):
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor) and real["device"](t).type == "cpu" and t.untyped_storage() not in tags:
                 tags[t.untyped_storage()] = (new, where())
-                if new != "cpu":  # device or pinned memory: counted while the storage lives (may raise OutOfMemoryError)
+                if new != "cpu":  # device or pinned memory, counted while the storage lives (OutOfMemoryError)
                     blocks[t.untyped_storage()] = fake_memory.allocated(t.untyped_storage(), new, where())
         return out
 
