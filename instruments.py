@@ -468,12 +468,31 @@ def native_stderr_without(patterns):
         sys.stderr.flush()
 
 def holdings(model_states, data, device):
-    """What this rank holds, in bytes: its model states by category; every other tensor on the device (all live ones
-    less the states and the data set there: buffers in flight, leaks); pinned host memory (with CUDA)."""
+    """What this rank holds, in bytes: its model states by category, and, on a GPU, where each category's tensors are
+    ("device", "host", or "device and host"; on a CPU device and host are one memory: no word); every other tensor on
+    the device (all live ones less the states and the data set there: buffers in flight, leaks); pinned host memory
+    (with CUDA): the live pinned storages, each rounded up to a power of two as PyTorch's pinned-memory cache takes
+    it. (The cache's own counter, torch.cuda.host_memory_stats, also holds the blocks each batch was pinned in, freed
+    or still in flight, and cached blocks.)"""
     on_device = [t for t in sum(model_states.values(), []) + data if t.device.type == device.type]
+    places = {k: {"device" if t.device.type == device.type else "host" for t in v} for k, v in model_states.items()}
+    where = {k: " and ".join(sorted(p)) or None for k, p in places.items()}
     return dict(states={k: storage_bytes(v) for k, v in model_states.items()},
+                where=where if device.type != "cpu" else {},
                 other=live_tensor_bytes(device) - storage_bytes(on_device),
-                pinned=torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) if device.type == "cuda" else 0)
+                pinned=pinned_tensor_bytes() if device.type == "cuda" else 0)
+
+def pinned_tensor_bytes():
+    """Pinned host memory that live tensors hold: each distinct pinned storage, rounded up to a power of two."""
+    with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    seen = {}
+    for t in tensors:
+        if t.device.type == "cpu" and t.is_pinned():
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = pinned_bytes(s.nbytes())
+    return sum(seen.values())
 
 class PeakMemory:
     """Peak bytes of live tensors during a `with` block: the CUDA allocator's counter on GPU; on CPU, the
@@ -588,6 +607,7 @@ def summarize(stage, args, cfg, data, engine, history, measured, step_times, th,
     model states and peak."""
     timed = sorted(step_times[1:] or step_times)  # the first step warms up
     states, sent, ranks = measured["states"], measured["sent"], everyone((measured["states"], measured["peak"]))
+    where = measured.get("where")  # measured on a GPU; on a CPU, the plan's (th["host"])
     return dict(stage=stage, world_size=world_size, n_params=sum(p.numel() for p in engine.model.parameters()),
                 padded_numel=engine.padded_numel, dtype=args.dtype, device=device.type, config=vars(cfg), args=vars(args),
                 **history, val_loss=history["val_losses"][-1][1] if history["val_losses"] else None, steps_done=end,
@@ -595,7 +615,8 @@ def summarize(stage, args, cfg, data, engine, history, measured, step_times, th,
                 tokens_per_s=args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0,
                 peak_memory_bytes=measured["peak"], other_tensor_bytes=measured["other"],
                 pinned_host_bytes={"measured": measured["pinned"], "theory": th["pinned"]},
-                model_state_bytes={k: {"measured": states.get(k, 0), "theory": v, "where": "host" if k in th["host"] else "device"}
+                model_state_bytes={k: {"measured": states.get(k, 0), "theory": v,  # where: its tensors' device (GPU)
+                                       "where": where.get(k) if where else "host" if k in th["host"] else "device"}
                                    for k, v in th["states"].items()},
                 model_state_bytes_per_rank=[s for s, _ in ranks], peak_memory_bytes_per_rank=[p for _, p in ranks],
                 activation_checkpoints=activation_checkpoints(args, cfg, world_size),

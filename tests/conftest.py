@@ -2,8 +2,9 @@
 wrote. `pytest tests --stage path/to/my_stage2.py` runs the stage checks against any file that implements a stage.
 Ranks are started the way torchrun starts them on one node, without torchrun's agent process (which costs a start-up per run);
 `pytest tests --torchrun` starts every run under torchrun itself. The tests of killed ranks always use torchrun.
-The runs see no GPU (CUDA_VISIBLE_DEVICES=""), so the suite checks the CPU path alike on any machine; `pytest tests
---gpu` adds tests/test_gpu.py, which runs on the GPUs (gpu_runner)."""
+The runs see no GPU (CUDA_VISIBLE_DEVICES=""), so the suite checks the CPU path alike on any machine; tests/test_gpu.py
+runs its CUDA runs (gpu_runner) on the fake CUDA device (tests/fake_cuda.py), or with `pytest tests --gpu` on the
+machine's GPUs."""
 import json
 import os
 import subprocess
@@ -66,8 +67,9 @@ class Run:
 class Runner:
     """Runs training scripts in subprocesses, each configuration once per test session."""
 
-    def __init__(self, tmp, torchrun=False, gpu=False):
+    def __init__(self, tmp, torchrun=False, gpu=False, fake=False):
         self.tmp, self.cache, self.help, self.torchrun, self.gpu = tmp, {}, {}, torchrun, gpu
+        self.fake = fake  # every run through tests/fake_cuda.py: on the fake CUDA device
 
     def options(self, script):
         """The script's source, to pass stage-specific options (such as --bucket_mb) only where they exist."""
@@ -81,6 +83,8 @@ class Runner:
         return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **hide, **(extra or {})}
 
     def command(self, script, nproc, args):
+        if self.fake:
+            script, args = str(ROOT / "tests" / "fake_cuda.py"), [script, *args]
         if nproc is None:
             return [sys.executable, script, *args]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
@@ -114,8 +118,9 @@ class Runner:
             rank_env = dict(self.env(env), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                             LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             outs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))  # files, not pipes: never full
-            procs.append(subprocess.Popen([sys.executable, script, *args], stdout=outs[-1][0], stderr=outs[-1][1],
-                                          text=True, cwd=ROOT, env=rank_env))
+            fake = [str(ROOT / "tests" / "fake_cuda.py")] if self.fake else []
+            procs.append(subprocess.Popen([sys.executable, *fake, script, *args], stdout=outs[-1][0],
+                                          stderr=outs[-1][1], text=True, cwd=ROOT, env=rank_env))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             if any(p.returncode for p in procs) or time.monotonic() > deadline:

@@ -17,7 +17,10 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
     its host end pinned (torch waits for a blocking one; to pageable memory it returns only when done).
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
 stream in forward; collectives issued on another stream. Not modelled: the order of streams (tests/simulated_stream
-tests that on CPU), speed, memory limits (FAKE_CUDA_FREE_BYTES: what mem_get_info says is free).
+tests that on CPU), speed. Memory (tests/fake_memory.py): device memory allocated, reserved and peak, pinned host
+memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises OutOfMemoryError, and a leak (device
+memory that grows from step to step) refused, naming the line that made what is held. A device the project names
+(device="cpu", .cpu(), .to("cpu")) is where its tensor lives, whatever its inputs' device.
 """
 import collections, contextlib, inspect, json, os, runpy, sys, threading, traceback, types, weakref
 
@@ -25,10 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fake_memory  # device memory and pinned host memory, counted from the storages tagged here
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 aten = torch.ops.aten
 INDEXING = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)  # (host indices are moved over)
 tags = weakref.WeakKeyDictionary()  # storage -> (device: "cuda:i", "cpu" or "pinned" (a pinned host buffer), made at)
+blocks = weakref.WeakKeyDictionary()  # storage -> its fake_memory.Block (device and pinned storages)
 findings, seen = collections.Counter(), collections.Counter()  # refusals; what was checked (the tests: not nothing)
 state = types.SimpleNamespace(device=int(os.environ.get("LOCAL_RANK", 0)), nccl=False, dirs=[ROOT], compute=None)
 
@@ -36,7 +42,7 @@ class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
-            exit=os._exit, run=threading.Thread.run)
+            exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_)
 
 
 def tag(t):
@@ -74,6 +80,14 @@ def where():
 def refuse(op, detail):
     findings[f"{where()} {op}: {detail}"] += 1
 
+def from_project():
+    """Whether the op being dispatched was called by the project's own code (a frame in the project, not tests/),
+    rather than by torch's C++ (autograd's saved options) or torch's Python."""
+    f = sys._getframe(2)  # (1: __torch_dispatch__; 2: the frame that called the op)
+    path = os.path.abspath(f.f_code.co_filename)
+    ours = any(path.startswith(d + os.sep) for d in state.dirs)
+    return ours and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path
+
 def host_sync(what):
     if flags.phase:
         refuse(f"host sync in {flags.phase}", what)
@@ -94,7 +108,8 @@ class FakeCuda(TorchDispatchMode):
         if isinstance(want, torch.device) and want.type == "cuda":
             want = torch.device("cuda", state.device if want.index is None else want.index)
             kwargs["device"] = torch.device("cpu")
-        elif want == torch.device("cpu") and not flags.move and any(not host(t) for _, t in named):
+        elif want == torch.device("cpu") and not flags.move and any(not host(t) for _, t in named) \
+                and not from_project():
             want = None  # C++ (autograd's saved options, say) names the real device: its inputs' is meant
         non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2] if func is aten.copy_.default else False)
         if func is aten._to_copy.default and non_blocking and want == torch.device("cpu") and not host(args[0]):
@@ -111,6 +126,8 @@ class FakeCuda(TorchDispatchMode):
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor) and real["device"](t).type == "cpu" and t.untyped_storage() not in tags:
                 tags[t.untyped_storage()] = (new, where())
+                if new != "cpu":  # device or pinned memory, counted while the storage lives (OutOfMemoryError)
+                    blocks[t.untyped_storage()] = fake_memory.allocated(t.untyped_storage(), new, where())
         return out
 
     def check(self, func, named, want, pin, non_blocking):
@@ -229,12 +246,34 @@ def checked_engine(Engine):
     Engine.__init__ = __init__
     Engine.forward = during("phase", "forward", Engine.forward)
     Engine.backward = during("phase", "backward", Engine.backward)
+    step = Engine.step
+    def leak_checked(engine, *args, **kwargs):  # device memory allocated after each step, against the step before
+        out = step(engine, *args, **kwargs)
+        leak = fake_memory.after_step(state.device)
+        if leak:
+            findings[f"{leak[0]} {leak[1]}"] += 1
+        return out
+    Engine.step = leak_checked
     return Engine
 
 def run(thread):
     """Thread.run under the mode, which is per thread (offload's delayed update runs in a thread of its own)."""
     with FakeCuda():
         real["run"](thread)
+
+def index(d=None):
+    """The fake GPU a torch.cuda memory call asks about: a device, an index, or None (the current one)."""
+    d = torch.device(d) if isinstance(d, str) else d
+    if d is None or getattr(d, "index", 0) is None:
+        return state.device
+    return d.index if isinstance(d, torch.device) else int(d)
+
+def resize_(storage, nbytes):
+    """UntypedStorage.resize_ (no op the mode sees): a device or pinned block resized is counted anew."""
+    out = real["resize"](storage, nbytes)
+    if storage in blocks:
+        fake_memory.resized(blocks[storage], nbytes, where())
+    return out
 
 def install():
     none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
@@ -244,12 +283,18 @@ def install():
             current_device=lambda: state.device, get_device_name=lambda d=None: "fake CUDA",
             get_device_capability=lambda d=None: (9, 0), is_bf16_supported=lambda *a, **k: True, Stream=Stream,
             Event=Event, stream=stream, current_stream=current_stream,
-            synchronize=lambda d=None: host_sync("synchronize()"), max_memory_allocated=lambda d=None: 0,
-            memory_allocated=lambda d=None: 0, host_memory_stats=lambda: {},
-            mem_get_info=lambda d=None: (int(os.environ.get("FAKE_CUDA_FREE_BYTES", 2**36)),) * 2,
-            get_rng_state=lambda d=None: torch.get_rng_state(), _lazy_init=none(), reset_peak_memory_stats=none(),
-            empty_cache=none(), set_per_process_memory_fraction=none(), set_rng_state=none()).items():
+            synchronize=lambda d=None: host_sync("synchronize()"),
+            max_memory_allocated=lambda d=None: fake_memory.memory(index(d)).peak,
+            memory_allocated=lambda d=None: fake_memory.memory(index(d)).allocated,
+            memory_reserved=lambda d=None: fake_memory.memory(index(d)).reserved,
+            max_memory_reserved=lambda d=None: fake_memory.memory(index(d)).peak_reserved,
+            reset_peak_memory_stats=lambda d=None: fake_memory.reset_peak(index(d)),
+            mem_get_info=lambda d=None: fake_memory.mem_get_info(index(d)),
+            host_memory_stats=fake_memory.host_memory_stats, empty_cache=fake_memory.empty_cache,
+            get_rng_state=lambda d=None: torch.get_rng_state(), _lazy_init=none(),
+            set_per_process_memory_fraction=none(), set_rng_state=none()).items():
         setattr(torch.cuda, name, value)
+    torch.UntypedStorage.resize_ = resize_
     torch.Tensor.device = property(lambda t: torch.device(tag(t)) if not host(t) else real["device"](t))
     torch.Tensor.is_cuda = property(lambda t: not host(t))
     torch.Tensor.to = to
@@ -277,7 +322,9 @@ def report(code):
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "exit_code": code, "findings": findings, "seen": +seen}, f, indent=1)
+            memory = {k: vars(m) for k, m in fake_memory.devices.items()}
+            json.dump({"rank": rank, "exit_code": code, "findings": findings, "seen": +seen, "memory": memory,
+                       "host_memory": fake_memory.host_memory_stats()}, f, indent=1)
     for message, count in findings.items():
         print(f"fake_cuda: rank {rank}: {message}" + f" ({count} times)" * (count > 1), file=sys.stderr, flush=True)
     return code or int(bool(findings))

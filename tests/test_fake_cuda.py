@@ -143,5 +143,10 @@ def test_a_batch_copied_from_pageable_memory_is_refused(tmp_path):
 def test_no_sample_where_the_whole_model_would_not_fit(tmp_path):
     """The end of a run builds the whole fp32 model on one GPU to print a sample: where it would not fit beside the
     run, the run says so in one line instead of running out of memory at its last line."""
-    job, _ = audit(tmp_path, ROOT / "stage3.py", "--sample_chars", "20", nproc=1, env={"FAKE_CUDA_FREE_BYTES": "4096"})
+    job, reports = audit(tmp_path / "roomy", ROOT / "stage3.py", nproc=1)  # (no sample: what the run itself takes)
+    assert job.returncode == 0, output(job)
+    whole = 4 * int(re.search(r"([\d,]+) parameters", job.stdout).group(1).replace(",", ""))  # its fp32 bytes
+    budget = reports[0]["memory"]["0"]["peak_reserved"] + whole  # the run fits; the whole model twice does not
+    job, _ = audit(tmp_path / "tight", ROOT / "stage3.py", "--sample_chars", "20", nproc=1,
+                   env={"FAKE_CUDA_FREE_BYTES": str(budget)})
     assert job.returncode == 0 and "no sample: the whole fp32 model" in job.stdout, output(job)

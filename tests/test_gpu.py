@@ -1,8 +1,11 @@
-"""The GPU suite, opt-in: `python -m pytest tests --gpu` on a machine with CUDA GPUs. Every stage and offload.py (plain,
+"""The GPU suite: `python -m pytest tests --gpu` on a machine with CUDA GPUs. Every stage and offload.py (plain,
 --offload_params, --delayed_update) trains on CUDA with NCCL at N = 1 and at the number of GPUs present (up to 4),
 and is checked against the CUDA single-process reference, against its ledgers (device and host apart), and, from a
-profiler timeline, for the overlap each stage exists for. Without --gpu, or without CUDA, every test here skips
-(except the timeline reader's own test, which runs anywhere). Each check says which PyTorch documentation backs it.
+profiler timeline, for the overlap each stage exists for. Without --gpu the same runs go through the fake CUDA device
+(tests/fake_cuda.py: CPU storage, CUDA's rules, device and pinned memory counted as torch's allocators count it) at
+N = 1 and 2, and the same assertions hold; only the overlap tests, which measure a real GPU's timeline, skip (the
+timeline reader's own test runs anywhere). --gpu without CUDA skips. Each check says which PyTorch documentation
+backs it.
 
 The tolerances below are reasoned, not measured on a GPU (tests/README.md says where this suite has run). If a check
 fails by a small margin, record the differences measured beside the tolerance before widening it."""
@@ -20,7 +23,7 @@ from train_gpt import host_categories, pinned_theory
 CUDA = ["--device", "cuda"]
 GPU_TRAIN = [*TRAIN, "--batch_size", "24"]  # TRAIN's, with a global batch that N x grad_accum divides for N = 1 to 4
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-NPROCS = sorted({1, min(GPUS, 4)} - {0}) or [1]
+NPROCS = sorted({1, min(GPUS, 4)} - {0}) if GPUS else [2]  # (no GPU: 2 fake ranks; the battery runs 1)
 RUNS = {Path(f).stem: (f, []) for f in STAGES} | {"offload_params": ("offload.py", ["--offload_params"]),
                                                   "delayed_update": ("offload.py", ["--delayed_update"])}
 # TF32 stays off: torch.backends.cuda.matmul.allow_tf32 is False by default (PyTorch >= 1.12, "TensorFloat-32 (TF32)
@@ -43,7 +46,7 @@ LOSS_ATOL, NORM_RTOL, BULK_RTOL, BULK_SHARE, ATOL_ANY = 2e-5, 1e-4, 1e-5, 0.999,
 @pytest.fixture(scope="session")
 def gpu_runner(tmp_path_factory, request):
     if not request.config.getoption("gpu"):
-        pytest.skip("the GPU suite runs with --gpu")
+        return Runner(tmp_path_factory.mktemp("fake_gpu_runs"), request.config.getoption("torchrun"), fake=True)
     if not torch.cuda.is_available():
         pytest.skip("--gpu, but torch sees no CUDA GPU")
     return Runner(tmp_path_factory.mktemp("gpu_runs"), request.config.getoption("torchrun"), gpu=True)
@@ -82,11 +85,13 @@ def test_gpu_parity_with_the_cuda_reference(gpu_runner, cuda_references, name, n
 @pytest.mark.parametrize("nproc", NPROCS)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_gpu_ledgers_device_and_host(gpu_runner, name, nproc):
-    """Model states equal the formula category by category, each where host_categories puts it; the device's peak
+    """Model states equal the formula category by category, each where host_categories puts it (the summary says on
+    which device each category's tensors were: instruments.holdings); the device's peak
     (torch.cuda.max_memory_allocated: "the maximum GPU memory occupied by tensors", per the CUDA memory docs) holds at
     least the device's model states; other_tensor_bytes counts only device memory (never negative; for stage 2 on,
-    no full gradient); pinned host memory, read from torch.cuda.host_memory_stats (whose docs say block sizes are
-    rounded up to a power of two before CUDA allocates them), is what pinned_theory predicts."""
+    no full gradient); pinned host memory, the live pinned storages each rounded up to a power of two (as
+    torch.cuda.host_memory_stats's docs say the pinned cache rounds a block), is what pinned_theory predicts (the
+    cache's own count would also hold the blocks each batch is pinned in, and cached blocks)."""
     s = cuda_run(gpu_runner, name, nproc).summary
     where, stage = f"{name} on {nproc} GPU(s)", s["stage"]
     host = host_categories(stage, s["args"].get("offload_params", False))
@@ -165,6 +170,8 @@ def test_timeline_reader(runner, tmp_path):
 
 
 def trace(gpu_runner, script, nproc, *flags):
+    if gpu_runner.fake:
+        pytest.skip("overlap is measured on a real GPU's timeline (--gpu)")
     out = gpu_runner.tmp / f"trace_{Path(script).stem}_{nproc}{''.join(flags)}"
     gpu_runner.run(str(ROOT / script), nproc, *OVERLAP, *flags, "--profile", str(out), env=ENV)
     return read_timeline(out / "rank0.json")
