@@ -23,7 +23,8 @@ def peak_rss(tmp_path, script, nproc, *args):
     for rank in range(nproc):
         env = dict(Runner(tmp_path).env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], stdout=out, stderr=out, cwd=ROOT, env=env))
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], stdout=out, stderr=out, cwd=ROOT,
+                                      env=env))
     peaks, codes, deadline = {}, {}, time.monotonic() + 600
     while len(peaks) < nproc:
         for p in procs:
@@ -46,7 +47,7 @@ def peak_rss(tmp_path, script, nproc, *args):
 def test_the_sample_at_the_end_costs_little_host_memory(tmp_path):
     """stage1, `small` GPT (~10M parameters: a 43 MB fp32 master), N = 2, fp32, 2 steps: the peak resident memory of
     each rank with the end-of-run sample (which gathers the whole fp32 master on rank 0) against the same run without
-    it. The gathered master is 43 MB; pickled as views of the shards, rank 0 peaked at several times the run's memory."""
+    it. The gathered master is 43 MB; pickled as views of the shards, it made rank 0's peak several times the run's."""
     run = ["--preset", "small", "--steps", "2", "--dtype", "fp32", "--eval_batches", "1", "--no_progress"]
     without, _ = peak_rss(tmp_path, "stage1.py", 2, *run, "--sample_chars", "0")
     sampled, text = peak_rss(tmp_path, "stage1.py", 2, *run, "--sample_chars", "20")
@@ -54,3 +55,20 @@ def test_the_sample_at_the_end_costs_little_host_memory(tmp_path):
     for rank, (a, b) in enumerate(zip(without, sampled)):
         assert b <= 1.5 * a, (f"rank {rank}: peak resident memory {b / 2**20:.0f} MiB with the sample, "
                               f"{a / 2**20:.0f} MiB without: the end of the run multiplies the host's memory")
+
+
+@pytest.mark.parametrize("script", ["stage1.py", "stage3.py"])
+@pytest.mark.parametrize("steps", [40])
+def test_one_host_sync_per_step(tmp_path, script, steps):
+    """On the fake CUDA device (N = 2, fp32), the host synchronisations outside forward, backward and the batches:
+    one a step (clip_coef's: skip the step or not), two at each step that logs (every steps // 10th: the losses and
+    the norms since the last, read at once), and a few more at the run's start, its evaluation, its measured step
+    (PeakMemory's synchronize) and its end; never the loss's and the norm's at every step."""
+    from test_fake_cuda import audit
+    job, reports = audit(tmp_path, ROOT / script, "--steps", str(steps), "--eval_every", "1000")
+    assert job.returncode == 0 and all(reports), "\n".join(last_lines(job.stdout + job.stderr, 30))
+    logged = 10  # the steps that log: every max(1, steps // 10)th; the last is one of them
+    for r in reports:
+        syncs = r["seen"].get("host syncs in the rest", 0)
+        assert syncs <= steps + 2 * logged + 20, (f"{script}, rank {r['rank']}: {syncs} host syncs in {steps} steps "
+                                                  f"({logged} of them logged): more than one a step")
