@@ -1,9 +1,8 @@
 """The end of a run and the host's part in every step. The end: gathering the fp32 master on rank 0 for the sample
-(or --save_master) costs the host little beside the run itself, where pickling views of each rank's shard used to
-multiply it (each view pickles its whole storage). Every step: stages 0-3 wait for the GPU once a step (the decision
+(or --save_master) costs the host little beside the run itself (pickled views of each rank's shard would multiply
+it: each view pickles its whole storage). Every step: stages 0-3 wait for the GPU once a step (the decision
 to skip fp16's overflowed step), and read the loss and the gradient norm for the log only at the steps that log
 (counted on the fake CUDA device, tests/fake_cuda.py). No assertion depends on the CPU's speed or math library."""
-import json
 import os
 import subprocess
 import sys
@@ -47,7 +46,8 @@ def peak_rss(tmp_path, script, nproc, *args):
 def test_the_sample_at_the_end_costs_little_host_memory(tmp_path):
     """stage1, `small` GPT (~10M parameters: a 43 MB fp32 master), N = 2, fp32, 2 steps: the peak resident memory of
     each rank with the end-of-run sample (which gathers the whole fp32 master on rank 0) against the same run without
-    it. The gathered master is 43 MB; pickled as views of the shards, it made rank 0's peak several times the run's."""
+    it. The gathered master is 43 MB; pickled as views of the shards, it would make rank 0's peak several times the
+    run's."""
     run = ["--preset", "small", "--steps", "2", "--dtype", "fp32", "--eval_batches", "1", "--no_progress"]
     without, _ = peak_rss(tmp_path, "stage1.py", 2, *run, "--sample_chars", "0")
     sampled, text = peak_rss(tmp_path, "stage1.py", 2, *run, "--sample_chars", "20")
