@@ -43,17 +43,18 @@ def peak_rss(tmp_path, script, nproc, *args):
     return [peaks[p.pid] for p in procs], text
 
 
-def test_the_sample_at_the_end_costs_little_host_memory(tmp_path):
-    """stage1, `small` GPT (~10M parameters: a 43 MB fp32 master), N = 2, fp32, 2 steps: the peak resident memory of
-    each rank with the end-of-run sample (which gathers the whole fp32 master on rank 0) against the same run without
-    it. The gathered master is 43 MB; pickled as views of the shards, it would make rank 0's peak several times the
+@pytest.mark.parametrize("script, nproc", [("stage1.py", 2), ("offload.py", 1)])
+def test_the_sample_at_the_end_costs_little_host_memory(tmp_path, script, nproc):
+    """stage1 on 2 ranks, and offload (whose master is on the host) on 1; the `small` GPT (~10M parameters: a 43 MB
+    fp32 master), fp32, 2 steps: the peak resident memory of each rank with the end-of-run sample (which gathers the
+    whole fp32 master on rank 0) against the same run without it. The gathered master is 43 MB; pickled as views of the shards, it would make rank 0's peak several times the
     run's."""
     run = ["--preset", "small", "--steps", "2", "--dtype", "fp32", "--eval_batches", "1", "--no_progress"]
-    without, _ = peak_rss(tmp_path, "stage1.py", 2, *run, "--sample_chars", "0")
-    sampled, text = peak_rss(tmp_path, "stage1.py", 2, *run, "--sample_chars", "20")
+    without, _ = peak_rss(tmp_path, script, nproc, *run, "--sample_chars", "0")
+    sampled, text = peak_rss(tmp_path, script, nproc, *run, "--sample_chars", "20")
     assert "--- sample ---" in text, text
     for rank, (a, b) in enumerate(zip(without, sampled)):
-        assert b <= 1.5 * a, (f"rank {rank}: peak resident memory {b / 2**20:.0f} MiB with the sample, "
+        assert b <= 1.5 * a, (f"{script}, rank {rank}: peak resident memory {b / 2**20:.0f} MiB with the sample, "
                               f"{a / 2**20:.0f} MiB without: the end of the run multiplies the host's memory")
 
 
