@@ -240,9 +240,19 @@ def host_group():
     return _host_group[0]
 
 def gather_master(engine):
-    """The full fp32 master weights {name: tensor}, on rank 0 (None elsewhere): a collective over every rank."""
+    """The full fp32 master weights {name: tensor}, on rank 0 (None elsewhere): a collective over every rank. Each rank
+    sends its pieces as one flat host buffer and their (name, lo, hi): pickled, a view would carry its whole storage,
+    once per piece. Pieces a lower rank holds too (stage 0's replicated state) are sent once."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = [(name, lo, hi, views[0].detach().cpu()) for name, lo, hi, views in engine.state_pieces()]
+    pieces = engine.state_pieces()
+    held_below = {key for keys in everyone([tuple(p[:3]) for p in pieces])[:rank] for key in keys}
+    pieces = [p for p in pieces if tuple(p[:3]) not in held_below]
+    flat = torch.empty(sum(hi - lo for _, lo, hi, _ in pieces))  # fp32, on the host
+    at = 0
+    for _, lo, hi, views in pieces:
+        flat[at:at + hi - lo].copy_(views[0].detach().reshape(-1))
+        at += hi - lo
+    mine = ([tuple(p[:3]) for p in pieces], flat)
     if dist.is_initialized():
         every = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, every, dst=0, group=host_group())
@@ -251,7 +261,15 @@ def gather_master(engine):
     if rank != 0:
         return None
     shapes = {name: p.shape for name, p in engine.model.named_parameters() if p.requires_grad}  # what is trained
-    return assemble((piece for pieces in every for piece in pieces), shapes)[0]
+    return assemble(unflatten(every), shapes)[0]
+
+def unflatten(every):
+    """(name, lo, hi, values) for each piece of each rank's (index, flat buffer), the values views of the buffer."""
+    for index, flat in every:
+        at = 0
+        for name, lo, hi in index:
+            yield name, lo, hi, flat[at:at + hi - lo]
+            at += hi - lo
 
 def consolidate(path, out):
     """A sharded checkpoint -> one file with the GPT's fp32 weights, config and vocabulary (zero_to_fp32.py's job)."""

@@ -583,21 +583,28 @@ def progress(steps, start, args, rank):
         return tqdm(steps, initial=start, total=args.steps, dynamic_ncols=True)
     return steps
 
-def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak, scaler=None, grad_norm=0.0):
-    """Rank 0's word on a step: the bar's figures (closed after the last step), or else a line now and then. tokens:
-    a step's, timed by the last of step_times (a step measured or profiled is not timed). scaler: fp16's loss scaler's
-    state (vars), whose scale and skipped steps the figures show; a step it skipped (grad_norm non-finite) gets a line."""
+def log_due(step, end, args):
+    """Does log() show this step's loss? Every max(1, steps // 10)th step and the last: main reads the losses then."""
+    return step + 1 == end or (step + 1) % max(1, args.steps // 10) == 0
+
+def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak, scaler=None, skipped=False):
+    """Rank 0's word on a step: at the steps log_due names (loss: a float there, None elsewhere), the bar's figures
+    (closed after the last step), or else a line. tokens: a step's, timed by the last of step_times (a step measured or
+    profiled is not timed). scaler: fp16's loss scaler's state (vars), whose scale and skipped steps the figures show;
+    a step it skipped gets a line."""
     tok_s, fp16 = tokens / (step_times or [math.inf])[-1], bool(scaler and scaler["enabled"])
-    if rank == 0 and fp16 and not math.isfinite(grad_norm) and not args.no_progress:
+    if rank == 0 and fp16 and skipped and not args.no_progress:
         line = (f"{stage}: step {step + 1}: the fp16 gradient overflowed (on some rank), so every rank skipped the step; "
                 f"loss scale now {scaler['scale']:g}")
         bar.write(line) if hasattr(bar, "write") else print(line, flush=True)
+    if loss is None:
+        return
     if rank == 0 and hasattr(bar, "set_postfix"):
         scaling = dict(scale=f"{scaler['scale']:g}", skipped=scaler["skipped"]) if fp16 else {}
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB", **scaling)
         if step + 1 == end:
             bar.close()
-    elif rank == 0 and not args.no_progress and (step + 1 == end or (step + 1) % max(1, args.steps // 10) == 0):
+    elif rank == 0 and not args.no_progress:
         k = scaler["skipped"] if fp16 else 0
         scaling = f", loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if fp16 else ""
         print(f"{stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s{scaling}", flush=True)

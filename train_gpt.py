@@ -25,7 +25,7 @@ from checkpoint import (checkpoint_due, consolidate, load_checkpoint, load_conso
 from options import Misuse, check_args, gpt_config, load_text, parse_args, require
 from devices import (OPENMP, build_cpu_adam, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source, from_rank0,  # noqa: F401
                      init_distributed, pick_device, pick_dtype, set_cpu_adam_threads, stop)
-from instruments import (PeakMemory, Timeline, comm, evaluate, finish, holdings, log, pinned_bytes, progress,
+from instruments import (PeakMemory, Timeline, comm, evaluate, finish, holdings, log, log_due, pinned_bytes, progress,
                          summarize, timeline)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -259,16 +259,18 @@ class NonFiniteGradNorm(FloatingPointError):
     """The global gradient norm is NaN or infinite: no update may use it (main stops the run with one line)."""
 
 class LossScaler:
-    """fp16's dynamic loss scaling, with DeepSpeed's defaults. fp16's 5 exponent bits make a gradient below 2^-24 zero
-    and one above 65504 inf; so train_step multiplies the loss by `scale` before backward, and clip_coef divides it out
-    in the clipping coefficient. An overflow (a non-finite norm) skips the step and halves the scale, `window` steps in
-    a row without one double it, one at the `floor` stops the run. Off (scale 1) in bf16 and fp32: fp32's range."""
+    """fp16's dynamic loss scaling: DeepSpeed's initial scale (2^16), window (1000) and floor (1), without its
+    hysteresis (DeepSpeed's default 2 halves the scale only at the second overflow; here every overflow halves it, as
+    DeepSpeed does with "hysteresis": 1). fp16's 5 exponent bits make a gradient below 2^-24 zero and one above 65504
+    inf; so train_step multiplies the loss by `scale` before backward, and clip_coef divides it out in the clipping
+    coefficient. An overflow (a non-finite norm) skips the step and halves the scale, `window` steps in a row without
+    one double it, one at the `floor` stops the run. Off (scale 1) in bf16 and fp32: fp32's range."""
     def __init__(self, enabled=False, scale=2.0**16, window=1000, floor=1.0):
         self.enabled, self.scale, self.window, self.floor = enabled, scale if enabled else 1.0, window, floor
         self.good_steps = self.skipped = 0  # steps since the last overflow; steps skipped in all. (Its state: vars().)
 
     def update(self, finite):
-        """After each step, on every rank alike (the norm it reads is global)."""
+        """Once a step, by clip_coef, on every rank alike (the norm it reads is global)."""
         if self.enabled and finite:
             self.good_steps += 1
             self.scale *= 2.0 if self.good_steps % self.window == 0 else 1.0
@@ -282,13 +284,18 @@ def clip_coef(norm, max_norm):
     and DeepSpeed: scaling by 0 would silently stop learning). Every stage calls it before its update, so a non-finite
     norm stops the run here, before any NaN reaches the master weights or a checkpoint. In fp16 the factor also unscales
     (by a power of two: exactly), and a non-finite norm above the scaler's floor returns None: skip the step. Every
-    stage's norm is global (all-reduced, or the all-reduced gradient's): an overflow on any rank, and all ranks skip."""
+    stage's norm is global (all-reduced, or the all-reduced gradient's): an overflow on any rank, and all ranks skip.
+    The scaler learns of each step here, where the host knows whether the norm is finite, after the factor used its
+    scale."""
     if not math.isfinite(norm):  # one host sync per step: the decision to update at all is the host's
         if scaler.enabled and scaler.scale > scaler.floor:
+            scaler.update(False)
             return None
         raise NonFiniteGradNorm(f"{float(norm)}" + f" at the loss scale's floor ({scaler.floor:g})" * scaler.enabled)
     norm = norm / scaler.scale
-    return ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)) / scaler.scale
+    coef = ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)) / scaler.scale
+    scaler.update(True)
+    return coef
 
 class SingleDeviceEngine:
     def __init__(self, model, args, device):
@@ -355,7 +362,9 @@ def theory(stage, padded_numel, world_size, dtype, args, device):
 
 def train_step(engine, data, args, step, device, measured=None):
     """One optimizer step over the global batch; rank r takes slice (k*N + r) at micro-step k. With `measured`, also
-    record there what this rank holds when the optimizer runs: the paper's model states, and everything else."""
+    record there what this rank holds when the optimizer runs: the paper's model states, and everything else. The loss
+    and the gradient norm come back as tensors on the device: reading them would make the host wait for the GPU, and
+    the log needs them only now and then (main reads them at the steps that log)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     loss_sum, scale = torch.zeros((), device=device), scaler.scale  # fp16's loss scale (1 in bf16 and fp32)
     for k in range(args.grad_accum):
@@ -369,12 +378,11 @@ def train_step(engine, data, args, step, device, measured=None):
     if measured is not None:
         measured.update(holdings(engine.model_states(), [data.train, data.val], device))
     with torch.profiler.record_function("step"):
-        grad_norm = float(engine.step(lr_at(step, args))) / scale  # the norm of the true gradient (non-finite: skipped)
-    scaler.update(math.isfinite(grad_norm))
+        grad_norm = engine.step(lr_at(step, args)).double() / scale  # the true gradient's (non-finite: skipped)
     sent = dict(comm.sent)
     if dist.is_initialized():
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
-    return loss_sum.item(), grad_norm, sent
+    return loss_sum, grad_norm, sent
 
 def build_model(Engine, cfg, device, dtype, checkpoint_activations=False):
     """The GPT on the device; for an engine that makes the model itself (Engine.from_meta: every stage's) on the meta
@@ -419,9 +427,11 @@ def main(Engine, stage, distributed=True, formula=None):
         start = load_checkpoint(where, manifest, engine, device, stage, scaler)
     measure_step = start if start else min(1, end - 1)  # step 0 creates Adam's moments; step 1 is the steady state
     measured, step_times, bar = dict(peak=0), [], progress(range(start, end), start, args, rank)
+    unread = []  # (loss, grad norm) tensors of the steps since the history was last read
     for step in bar:
         t0, measuring, profiled = time.perf_counter(), step == measure_step, args.profile and step == measure_step + 1
         comm.sent.clear()
+        skips = scaler.skipped  # the steps fp16's scaler has skipped: if this step adds one, it was skipped
         try:
             with PeakMemory(device) if measuring else contextlib.nullcontext() as meter, \
                     timeline(args.profile, rank, device) if profiled else contextlib.nullcontext(), \
@@ -435,13 +445,19 @@ def main(Engine, stage, distributed=True, formula=None):
             measured.update(peak=meter.peak, sent=sent)
         elif not profiled:  # (a profiled step runs slower: not timed)
             step_times.append(time.perf_counter() - t0)
-        history["losses"].append(loss)
-        history["grad_norms"].append(grad_norm)
+        unread.append((loss, grad_norm))
+        logged = log_due(step, end, args)
+        saving = ckpt_dir and checkpoint_due(step, end, args)
+        if logged or saving:  # all of them at once: the host waits for the device here, not twice every step
+            history["losses"] += torch.stack([loss for loss, _ in unread]).tolist()
+            history["grad_norms"] += torch.stack([norm for _, norm in unread]).tolist()
+            unread.clear()
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             history["val_losses"].append((step + 1, evaluate(engine, data, args, device)))
-        log(bar, rank, stage, step, end, args, loss, args.batch_size * cfg.block_size, step_times, measured["peak"],
-            vars(scaler), grad_norm)
-        if ckpt_dir and checkpoint_due(step, end, args):
+        log(bar, rank, stage, step, end, args, history["losses"][-1] if logged else None,
+            args.batch_size * cfg.block_size, step_times, measured["peak"], vars(scaler),
+            scaler.skipped > skips)
+        if saving:
             meta = dict(stage=stage, config=vars(cfg), chars="".join(data.chars), **history,
                         params={n: list(p.shape) for n, p in trained(model)}, loss_scaler=vars(scaler))
             save_checkpoint(ckpt_dir, engine, step + 1, meta, device)

@@ -89,6 +89,7 @@ def from_project():
     return ours and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path
 
 def host_sync(what):
+    seen[f"host syncs in {flags.phase or 'the rest'}"] += 1  # the tests count them outside the phases too
     if flags.phase:
         refuse(f"host sync in {flags.phase}", what)
 
@@ -196,6 +197,12 @@ def to(self, *args, **kwargs):
     return during("move", True, real["to"])(self, device=device, dtype=dtype, non_blocking=non_blocking,
                                             copy=copy or device is not None, memory_format=fmt or torch.preserve_format)
 
+def tolist(t, real_tolist=torch.Tensor.tolist):
+    """Tensor.tolist reads the values where they are, below the dispatcher: of a GPU tensor, a host sync."""
+    if not host(t):
+        host_sync(f"tolist() of {shown('self', t)}")
+    return real_tolist(t)
+
 def init_process_group(backend=None, *args, **kwargs):
     """nccl -> gloo, without device_id; the calls keep NCCL's rules."""
     state.nccl = backend == "nccl"
@@ -298,6 +305,7 @@ def install():
     torch.Tensor.device = property(lambda t: torch.device(tag(t)) if not host(t) else real["device"](t))
     torch.Tensor.is_cuda = property(lambda t: not host(t))
     torch.Tensor.to = to
+    torch.Tensor.tolist = tolist
     torch.Tensor.record_stream = lambda t, stream: host(t) and refuse("record_stream", shown("self", t))
     torch.Tensor.cpu = lambda t, memory_format=torch.preserve_format: t.to("cpu", memory_format=memory_format)
     torch.Tensor.cuda = lambda t, device=None, non_blocking=False, **kwargs: t.to(
