@@ -15,9 +15,14 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
   - inside forward or backward, or while a batch comes up, a host synchronisation, which stops the host from queueing work ahead of the GPU:
     .item()/float() of a GPU tensor, nonzero(), synchronize(), a copy between device and host unless non_blocking with
     its host end pinned (torch waits for a blocking one; to pageable memory it returns only when done).
+  - stream order (tests/fake_streams.py: torch's CUDA Sanitizer, fed by the stubs below): a kernel, copy or
+    collective touching memory another stream (or the host, for pinned memory) wrote or reads with no wait in
+    between; device memory freed while another stream may still use it, without record_stream;
+  - collectives that differ across ranks (op, sizes, dtypes: each rank checks the others' through the store, waiting
+    FAKE_CUDA_COLLECTIVE_TIMEOUT seconds at most): the rank stops at once, naming both call sites.
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
-stream in forward; collectives issued on another stream. Not modelled: the order of streams (tests/simulated_stream
-tests that on CPU), speed, memory limits (FAKE_CUDA_FREE_BYTES: what mem_get_info says is free).
+stream in forward; collectives issued on another stream. Not modelled: speed, memory limits (FAKE_CUDA_FREE_BYTES:
+what mem_get_info says is free).
 """
 import collections, contextlib, inspect, json, os, runpy, sys, threading, traceback, types, weakref
 

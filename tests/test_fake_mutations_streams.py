@@ -15,54 +15,65 @@ import re
 
 import pytest
 
-from conftest import ROOT
 from test_fake_cuda import audit, changed, output
 
-COPY_LINE = r"dst\.copy_\(src, non_blocking=True\)"  # Copies.copy's copy, on the copy stream
-BATTERY = {  # id: (file, the line's pattern, its replacement, flags, nproc, (line pattern, what the finding says))
-    "missing_wait_stream": (
-        "offload.py", r"self\.stream\.wait_stream\(torch\.cuda\.current_stream\(\)\)", ["pass  # no wait_stream"], [], 1,
-        (COPY_LINE, r"stream order: aten\.copy_ on the stream made at offload\.py:\d+: touches memory that the nccl "
-                    r"stream wrote in c10d reduce_scatter\w* at offload\.py:\d+")),
-    "missing_record_stream": (
-        "offload.py", r"t\.record_stream\(self\.stream\)", ["pass  # no record_stream"], [], 1,
-        (r"b\.grad = b\.reduced = b\.work = None", r"stream order: memory freed: the stream made at offload\.py:\d+ "
-                                                   r"may still use it \(aten\.copy_ at offload\.py:\d+\)")),
-    "missing_wait_event": (
-        "offload.py", r"torch\.cuda\.current_stream\(\)\.wait_event\(event\)", ["pass  # no wait_event"], ["--steps", "3"], 1,
-        (r"b\.gather = comm\.all_gather\(b\.param, self\.param_shard", r"stream order: c10d all_gather\w* on the nccl "
-         r"stream: touches memory that the stream made at offload\.py:\d+ wrote in aten\.copy_ at offload\.py:\d+")),
-    "host_reads_pinned_before_event": (
-        "offload.py", r"self\.copies\.host_waits\(self\.grads_on_host\)", ["pass  # no host_waits"], [], 1,
-        (r"self\.adam\.adam_step\(self\.master", r"stream order: cpu_adam\.adam_step on the host: touches memory that "
-                                                 r"the stream made at offload\.py:\d+ wrote in aten\.copy_")),
-    "staging_reused_under_its_copy": (
-        "offload.py", r"self\.copies\.host_waits\(self\.copies\.event\(\)\)  # for the next forward",
-        ["pass  # no host_waits"], ["--delayed_update"], 1,
-        (r"self\.adam\.adam_step\(self\.master", r"stream order: cpu_adam\.adam_step on the host: touches memory that "
-                                                 r"the stream made at offload\.py:\d+ reads in aten\.copy_")),
-    "collective_on_rank0_only": (
-        "offload.py", r"(comm\.all_reduce\(norm, op=dist\.ReduceOp\.SUM\))", ["if self.rank == 0:", r"    \1"], [], 2,
-        (r"    comm\.all_reduce\(norm", r"c10d all_reduce: collective #\d+ differs across ranks: rank \d all_\w+\(")),
-    "collective_size_differs": (
-        "stage1.py", r"(comm\.all_reduce\(norm, op=dist\.ReduceOp\.SUM\))", ["norm = norm.repeat(1 + self.rank)", r"\1"],
-        [], 2,
-        (r"comm\.all_reduce\(norm", r"c10d all_reduce: collective #\d+ differs across ranks: rank \d all_reduce\(tensor "
-                                    r"float\d+\[\d\]\), rank \d all_reduce\(tensor float\d+\[\d\]\) at stage1\.py:\d+")),
+COPY = r"at offload\.py:\d+"  # a call site
+COPY_STREAM = r"the stream made at offload\.py:\d+"  # Copies' copy stream, named by where it was made
+# each: the file, its one line to change (a pattern) and the lines put there, the run's options and ranks; then the
+# line the finding must name (a pattern, in the changed file) and what it must say there
+BATTERY = {
+    "missing_wait_stream": dict(
+        file="offload.py", line=r"self\.stream\.wait_stream\(torch\.cuda\.current_stream\(\)\)",
+        new=["pass  # no wait_stream"], flags=[], nproc=1,
+        at=r"dst\.copy_\(src, non_blocking=True\)",
+        says=rf"stream order: aten\.copy_ on {COPY_STREAM}: touches memory that the nccl stream wrote in "
+             rf"c10d reduce_scatter\w* {COPY}"),
+    "missing_record_stream": dict(
+        file="offload.py", line=r"t\.record_stream\(self\.stream\)", new=["pass  # no record_stream"],
+        flags=[], nproc=1,
+        at=r"b\.grad = b\.reduced = b\.work = None",
+        says=rf"stream order: memory freed: {COPY_STREAM} may still use it \(aten\.copy_ {COPY}\)"),
+    "missing_wait_event": dict(  # 3 steps: the ledger's synchronize() after the measured step 1 would cover for it
+        file="offload.py", line=r"torch\.cuda\.current_stream\(\)\.wait_event\(event\)", new=["pass  # no wait_event"],
+        flags=["--steps", "3"], nproc=1,
+        at=r"b\.gather = comm\.all_gather\(b\.param, self\.param_shard",
+        says=rf"stream order: c10d all_gather\w* on the nccl stream: touches memory that {COPY_STREAM} wrote in "
+             rf"aten\.copy_ {COPY}"),
+    "host_reads_pinned_before_event": dict(
+        file="offload.py", line=r"self\.copies\.host_waits\(self\.grads_on_host\)", new=["pass  # no host_waits"],
+        flags=[], nproc=1,
+        at=r"self\.adam\.adam_step\(self\.master",
+        says=rf"stream order: cpu_adam\.adam_step on the host: touches memory that {COPY_STREAM} wrote in aten\.copy_"),
+    "staging_reused_under_its_copy": dict(
+        file="offload.py", line=r"self\.copies\.host_waits\(self\.copies\.event\(\)\)  # for the next forward",
+        new=["pass  # no host_waits"], flags=["--delayed_update"], nproc=1,
+        at=r"self\.adam\.adam_step\(self\.master",
+        says=rf"stream order: cpu_adam\.adam_step on the host: touches memory that {COPY_STREAM} reads in aten\.copy_"),
+    "collective_on_rank0_only": dict(
+        file="offload.py", line=r"(comm\.all_reduce\(norm, op=dist\.ReduceOp\.SUM\))",
+        new=["if self.rank == 0:", r"    \1"], flags=[], nproc=2,
+        at=r"    comm\.all_reduce\(norm",
+        says=r"c10d all_reduce: collective #\d+ differs across ranks: rank \d all_\w+\("),
+    "collective_size_differs": dict(
+        file="stage1.py", line=r"(comm\.all_reduce\(norm, op=dist\.ReduceOp\.SUM\))",
+        new=["norm = norm.repeat(1 + self.rank)", r"\1"], flags=[], nproc=2,
+        at=r"comm\.all_reduce\(norm",
+        says=r"c10d all_reduce: collective #\d+ differs across ranks: rank \d all_reduce\(tensor float\d+\[\d\]\), "
+             r"rank \d all_reduce\(tensor float\d+\[\d\]\) at stage1\.py:\d+"),
 }
 
 
 @pytest.mark.parametrize("mistake", list(BATTERY))
 def test_planted_stream_mistake_is_refused(tmp_path, mistake):
-    name, pattern, new, flags, nproc, (at, expected) = BATTERY[mistake]
-    script, planted = changed(tmp_path, name, pattern, *new)
-    lines = script.read_text().splitlines()
-    at_lines = [i + 1 for i, text in enumerate(lines) if re.search(at, text)]
-    assert len(at_lines) == 1, f"{mistake}: {len(at_lines)} lines of {name} match {at!r}: update this test"
-    line = at_lines[0]
-    job, reports = audit(tmp_path, script, *flags, nproc=nproc, env={"FAKE_CUDA_COLLECTIVE_TIMEOUT": "30"})
-    found = sorted({m for r in reports if r for m in r["findings"]})
-    assert job.returncode != 0 and found, f"{mistake}: planted at {name}:{planted}, refused nothing:\n{output(job)}"
-    caught = [m for m in found if re.match(rf"{re.escape(name)}:{line}\b.*{expected}", m)]
-    print(f"planted {mistake} at {name}:{planted} ({new[0]!r}); caught: {caught[:1]}")
-    assert caught, f"{mistake}: planted at {name}:{planted}, expected at {name}:{line}: {expected}\n" + "\n".join(found)
+    m = BATTERY[mistake]
+    script, planted = changed(tmp_path, m["file"], m["line"], *m["new"])
+    lines = [i + 1 for i, text in enumerate(script.read_text().splitlines()) if re.search(m["at"], text)]
+    assert len(lines) == 1, f"{mistake}: {len(lines)} lines of {m['file']} match {m['at']!r}: update this test"
+    at = f"{m['file']}:{lines[0]}"
+    job, reports = audit(tmp_path, script, *m["flags"], nproc=m["nproc"], env={"FAKE_CUDA_COLLECTIVE_TIMEOUT": "30"})
+    found = sorted({f for r in reports if r for f in r["findings"]})
+    planted = f"{m['file']}:{planted} ({m['new'][0]!r})"
+    assert job.returncode != 0 and found, f"{mistake}: planted at {planted}, refused nothing:\n{output(job)}"
+    caught = [f for f in found if re.match(rf"{re.escape(at)}\b.*{m['says']}", f)]
+    print(f"\nplanted {mistake} at {planted}; caught: {caught[:1]}")
+    assert caught, f"{mistake}: planted at {planted}; expected at {at}: {m['says']}; found:\n" + "\n".join(found)
