@@ -182,7 +182,8 @@ class Stream:
 
 class Event:
     def __init__(self, *args, **kwargs):
-        self.stream, self.id = None, streams.new_id()
+        self.stream = None  # where it was last recorded
+        self.id = streams.new_id()
     def record(self, stream=None):
         self.stream = stream or current_stream()
         streams.record(self.id, self.stream.id)

@@ -11,26 +11,29 @@ On a GPU torch feeds it from its CUDA trace; here the fake device feeds it by ha
   - Stream.wait_event/wait_stream, Event.record, Event/Stream/device synchronize() as CUDA orders them; a blocking copy
     between device and host, or a value read from the device (.item()), makes the host wait for that stream;
   - a collective runs on the "nccl" stream, after the stream it was issued on; its work.wait() (or a blocking
-    collective's return) makes the current stream wait for it;
+    collective's return) makes the current stream wait for it; its tensors' memory is held for that stream, as c10d
+    holds it;
   - memory freed while a stream other than the one it was made on may still use it (no wait since, no record_stream
     for that stream) would be handed out again on its own stream under that use: refused where it is freed.
 Memory is the storage's bytes: each access covers the byte range its tensor spans, so two slices of one buffer used by
 two streams are apart; the ranges are the Sanitizer's "data pointers" (a storage's number and a byte offset, pieces
 split where an access begins or ends).
 """
-import bisect, itertools, threading, traceback, weakref
+import bisect, itertools, threading, weakref
 
 import torch.cuda._sanitizer as csan
 from torch.utils import _pytree as pytree
 
-HOST, NCCL = -1, -2  # the host's work on pinned memory, and NCCL's stream, as the Sanitizer's stream ids
+HOST = -1  # the host's work on pinned memory, as a stream of the Sanitizer's
+NCCL = -2  # NCCL's stream
 names = {csan.DEFAULT_STREAM_ID: "the compute stream", HOST: "the host", NCCL: "the nccl stream"}
 
 
 class Model:
     """The Sanitizer's EventHandler, fed by the fake device; refuse(op, detail) reports a race, where(): the line."""
     def __init__(self, refuse, where):
-        self.refuse, self.where = refuse, where
+        self.refuse = refuse
+        self.where = where
         self.handler = csan.EventHandler()
         self.handler.syncs.create_stream(HOST)
         self.handler.syncs.create_stream(NCCL)
@@ -65,7 +68,8 @@ class Model:
             return []
         a = t.storage_offset() * t.element_size()
         b = a + (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) * t.element_size()
-        starts, accesses = self.starts[n], self.handler.tensors_accessed.accesses
+        starts = self.starts[n]
+        accesses = self.handler.tensors_accessed.accesses
         for x in (a, b):
             i = bisect.bisect(starts, x)
             if starts[i - 1] != x:  # a new piece boundary: the piece it splits gives it its history
@@ -153,7 +157,8 @@ class Model:
     def _check_frees(self):
         while self.freed:
             n, at = self.freed.pop(0)  # (at: where it was freed)
-            own, syncs = self.made_on.pop(n), self.handler.syncs
+            own = self.made_on.pop(n)
+            syncs = self.handler.syncs
             accesses = self.handler.tensors_accessed.accesses
             for x in self.starts.pop(n):
                 info = accesses.pop(n << 40 | x, None)
@@ -210,7 +215,9 @@ def collective_tensors(name, named):
 class Work:
     """An async collective's handle: its wait() makes the current stream wait for the collective (as NCCL's does)."""
     def __init__(self, work, done, join):
-        self.work, self.done, self.join = work, done, join
+        self.work = work
+        self.done = done  # the event recorded after it on the nccl stream
+        self.join = join  # join(event): the current stream waits for the event
 
     def wait(self, *args, **kwargs):
         out = self.work.wait(*args, **kwargs)
@@ -226,14 +233,17 @@ class Sequence:
     (op, tensors, call site) to the process group's store before issuing it and compares the other ranks', waiting
     at most `timeout` seconds for theirs. A mismatch would hang NCCL, or mix unrelated buffers: a message instead."""
     def __init__(self, timeout):
-        self.timeout, self.count = timeout, 0
+        self.timeout = timeout
+        self.count = 0  # the collectives issued so far
 
     def mismatch(self, dist, name, named, at):
         """None if every rank's collective number k is this one; else what differs, in one line."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         import datetime
-        store, rank, k = dist.distributed_c10d._get_default_store(), dist.get_rank(), self.count
+        store = dist.distributed_c10d._get_default_store()
+        rank = dist.get_rank()
+        k = self.count
         self.count += 1
         mine = f"{name}(" + ", ".join(f"{n} {str(t.dtype).removeprefix('torch.')}[{t.numel()}]" for n, t in named) + ")"
         store.set(f"fake_cuda/collective/{k}/{rank}", f"{mine} at {at}")

@@ -8,6 +8,10 @@ the line where the unordered access (or the mismatched collective, or the free) 
     compute_waits without wait_event (the update's copies up)  the next all-gather reads parameters the copy writes
     step without the host's wait for the gradients' event      the host reads the pinned gradient shard unordered
     --delayed_update without the wait after the copies up      the next update rewrites staging under the copy
+    Copies.host_waits without event.synchronize()              the host reads the pinned gradient shard unordered
+    _use without b.gather.wait()                               forward reads parameters the all-gather writes
+    _release without b.work.wait()                             the copy reads the reduce-scatter's output unordered
+    step without compute_waits after the update's copies up    the next all-gather reads parameters the copy writes
     the global norm's all-reduce on rank 0 only (N = 2)        the collective sequences differ across ranks
     stage1.py: the norm all-reduced at another size on rank 1  the collective sequences differ across ranks
 One rank each, but the collective mismatches (two). No assertion depends on the CPU: no timing, no numbers."""
@@ -15,6 +19,7 @@ import re
 
 import pytest
 
+from conftest import ROOT
 from test_fake_cuda import audit, changed, output
 
 COPY = r"at offload\.py:\d+"  # a call site
@@ -49,6 +54,25 @@ BATTERY = {
         new=["pass  # no host_waits"], flags=["--delayed_update"], nproc=1,
         at=r"self\.adam\.adam_step\(self\.master",
         says=rf"stream order: cpu_adam\.adam_step on the host: touches memory that {COPY_STREAM} reads in aten\.copy_"),
+    "host_waits_without_synchronize": dict(  # Copies.host_waits itself: every wait of the host's
+        file="offload.py", line=r"event\.synchronize\(\)", new=["pass  # no synchronize"], flags=[], nproc=1,
+        at=r"self\.adam\.adam_step\(self\.master",
+        says=rf"stream order: cpu_adam\.adam_step on the host: touches memory that {COPY_STREAM} wrote in aten\.copy_"),
+    "gather_not_waited": dict(
+        file="offload.py", line=r"^\s*b\.gather\.wait\(\)$", new=["pass  # no wait"], flags=[], nproc=1,
+        at_file="train_gpt.py", at=r"x = x \+ self\.attn\(self\.ln_1\(x\)\)",
+        says=rf"stream order: aten\.native_layer_norm on the compute stream: touches memory that the nccl stream wrote "
+             rf"in c10d all_gather\w* {COPY}"),
+    "reduce_scatter_not_waited": dict(
+        file="offload.py", line=r"b\.work\.wait\(\)", new=["pass  # no wait"], flags=[], nproc=1,
+        at=r"dst\.copy_\(src, non_blocking=True\)",
+        says=r"stream order: aten\.copy_ on the stream made at offload\.py:\d+: touches memory that the nccl stream "
+             r"wrote in c10d reduce_scatter"),
+    "step_without_compute_waits": dict(  # 3 steps: as missing_wait_event
+        file="offload.py", line=r"self\.copies\.compute_waits\(self\.copies\.event\(\)\)  # the next forward",
+        new=["pass  # no compute_waits"], flags=["--steps", "3"], nproc=1,
+        at=r"b\.gather = comm\.all_gather\(b\.param, self\.param_shard",
+        says=rf"stream order: c10d all_gather\w* on the nccl stream: touches memory that {COPY_STREAM} wrote"),
     "collective_on_rank0_only": dict(
         file="offload.py", line=r"(comm\.all_reduce\(norm, op=dist\.ReduceOp\.SUM\))",
         new=["if self.rank == 0:", r"    \1"], flags=[], nproc=2,
@@ -67,9 +91,11 @@ BATTERY = {
 def test_planted_stream_mistake_is_refused(tmp_path, mistake):
     m = BATTERY[mistake]
     script, planted = changed(tmp_path, m["file"], m["line"], *m["new"])
-    lines = [i + 1 for i, text in enumerate(script.read_text().splitlines()) if re.search(m["at"], text)]
-    assert len(lines) == 1, f"{mistake}: {len(lines)} lines of {m['file']} match {m['at']!r}: update this test"
-    at = f"{m['file']}:{lines[0]}"
+    at_file = m.get("at_file", m["file"])  # where the finding is: the changed file, or one it calls
+    text = script.read_text() if at_file == m["file"] else (ROOT / at_file).read_text()
+    lines = [i + 1 for i, line in enumerate(text.splitlines()) if re.search(m["at"], line)]
+    assert len(lines) == 1, f"{mistake}: {len(lines)} lines of {at_file} match {m['at']!r}: update this test"
+    at = f"{at_file}:{lines[0]}"
     job, reports = audit(tmp_path, script, *m["flags"], nproc=m["nproc"], env={"FAKE_CUDA_COLLECTIVE_TIMEOUT": "30"})
     found = sorted({f for r in reports if r for f in r["findings"]})
     planted = f"{m['file']}:{planted} ({m['new'][0]!r})"
