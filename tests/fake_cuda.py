@@ -15,12 +15,17 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
   - inside forward or backward, or while a batch comes up, a host synchronisation, which stops the host from queueing work ahead of the GPU:
     .item()/float() of a GPU tensor, nonzero(), synchronize(), a copy between device and host unless non_blocking with
     its host end pinned (torch waits for a blocking one; to pageable memory it returns only when done).
+  - stream order (tests/fake_streams.py: torch's CUDA Sanitizer, fed by the stubs below): a kernel, copy or
+    collective touching memory another stream (or the host, for pinned memory) wrote or reads with no wait in
+    between; device memory freed while another stream may still use it, without record_stream;
+  - collectives that differ across ranks (op, sizes, dtypes: each rank checks the others' through the store, waiting
+    FAKE_CUDA_COLLECTIVE_TIMEOUT seconds at most): the rank stops at once, naming both call sites.
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
-stream in forward; collectives issued on another stream. Not modelled: the order of streams (tests/simulated_stream
-tests that on CPU), speed. Memory (tests/fake_memory.py): device memory allocated, reserved and peak, pinned host
-memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises OutOfMemoryError, and a leak (device
-memory that grows from step to step) refused, naming the line that made what is held. A device the project names
-(device="cpu", .cpu(), .to("cpu")) is where its tensor lives, whatever its inputs' device.
+stream in forward; collectives issued on another stream. Not modelled: speed. Memory (tests/fake_memory.py): device
+memory allocated, reserved and peak, pinned host memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an
+allocation raises OutOfMemoryError, and a leak (device memory that grows from step to step) refused, naming the line
+that made what is held. A device the project names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives,
+whatever its inputs' device.
 """
 import collections, contextlib, inspect, json, os, runpy, sys, threading, traceback, types, weakref
 
@@ -29,6 +34,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fake_memory  # device memory and pinned host memory, counted from the storages tagged here
+import fake_streams  # stream order: torch's CUDA Sanitizer, fed from the dispatch and the stream stubs here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 aten = torch.ops.aten
@@ -64,21 +70,26 @@ def tensors(arguments):
     return [(f"{n}[{i}]" if isinstance(v, (list, tuple)) else n, t) for n, v in arguments
             for i, t in enumerate(v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
 
-def where():
+def where(stack=None):
     """file:line of the innermost frame in the project (the repository or the stage's folder, not tests/); if that is
-    in the plumbing every stage shares (the comm ledger, devices.py), its caller's, "via" the plumbing's."""
-    frames, f = ["?"], sys._getframe(1)
-    while f is not None:
-        path = os.path.abspath(f.f_code.co_filename)
+    in the plumbing every stage shares (the comm ledger, devices.py), its caller's, "via" the plumbing's. Of this
+    thread's stack, or of `stack`: (file, line) pairs, innermost first."""
+    frames = ["?"]
+    for file, lineno in stack if stack is not None else this_stack(sys._getframe(1)):
+        path = os.path.abspath(file)
         d = next((d for d in state.dirs if path.startswith(d + os.sep)), None)
         if d and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path:
-            frames.insert(-1, f"{os.path.relpath(path, d)}:{f.f_lineno}")
-        f = f.f_back
+            frames.insert(-1, f"{os.path.relpath(path, d)}:{lineno}")
     caller = next((fr for fr in frames if fr.split(":")[0] not in ("instruments.py", "devices.py")), frames[0])
     return caller + f" (via {frames[0]})" * (caller != frames[0])
 
-def refuse(op, detail):
-    findings[f"{where()} {op}: {detail}"] += 1
+def this_stack(f):
+    while f is not None:
+        yield f.f_code.co_filename, f.f_lineno
+        f = f.f_back
+
+def refuse(op, detail, at=None):
+    findings[f"{at or where()} {op}: {detail}"] += 1
 
 def from_project():
     """Whether the op being dispatched was called by the project's own code (a frame in the project, not tests/),
@@ -92,6 +103,9 @@ def host_sync(what):
     seen[f"host syncs in {flags.phase or 'the rest'}"] += 1  # the tests count them outside the phases too
     if flags.phase:
         refuse(f"host sync in {flags.phase}", what)
+
+streams = fake_streams.Model(refuse, where)  # the order of streams: torch's CUDA Sanitizer, fed by the stubs below
+collectives = fake_streams.Sequence(float(os.environ.get("FAKE_CUDA_COLLECTIVE_TIMEOUT", 60)))
 
 
 class FakeCuda(TorchDispatchMode):
@@ -118,8 +132,7 @@ class FakeCuda(TorchDispatchMode):
         seen[f"{flags.phase} ops"] += bool(flags.phase)
         if func is aten.is_pinned.default:
             return tag(args[0]) == "pinned"
-        if not flags.collective:
-            self.check(func, named, want, pin, non_blocking)
+        waits = False if flags.collective else self.check(func, named, want, pin, non_blocking)
         out = args[0].clone() if func is aten._pin_memory.default else func(*args, **kwargs)
         pin = pin or func is aten._pin_memory.default
         new = next((tag(t) for _, t in named if not host(t)), "pinned" if pin else "cpu") if want is None else \
@@ -129,9 +142,19 @@ class FakeCuda(TorchDispatchMode):
                 tags[t.untyped_storage()] = (new, where())
                 if new != "cpu":  # device or pinned memory, counted while the storage lives (OutOfMemoryError)
                     blocks[t.untyped_storage()] = fake_memory.allocated(t.untyped_storage(), new, where())
+                if new != "cpu":  # device memory, or pinned host memory: the stream model follows it
+                    streams.allocated(t.untyped_storage(), current_stream().id, device=new.startswith("cuda"))
+        if not flags.collective:  # a kernel on the current stream; on pinned host memory alone, the host's work
+            on = [t for t in fake_streams.tensors_in([args, kwargs, out]) if tag(t) != "cpu"]
+            if on:
+                stream_id = current_stream().id if any(not host(t) for t in on) else fake_streams.HOST
+                streams.kernel(stream_id, func, args, kwargs, out)
+                if waits:  # a blocking copy between device and host, a value read: the host waits for the stream
+                    streams.host_waits_for_stream(stream_id)
         return out
 
     def check(self, func, named, want, pin, non_blocking):
+        """Refuses what CUDA would; True where the host waits for the stream (a blocking copy, a value read)."""
         op, (_, first) = str(func).removesuffix(".default"), named[0] if named else (None, None)
         if func in (aten.copy_.default, aten._to_copy.default):  # across: async only non_blocking, host end pinned
             src = tag(named[1][1] if func is aten.copy_.default else first)
@@ -144,9 +167,11 @@ class FakeCuda(TorchDispatchMode):
                     host_sync(f"{op} {'non_blocking' if non_blocking else 'blocking'} to the "
                               f"{'host' if down else 'device'}, {'pinned' if host_end == 'pinned' else 'pageable'} "
                               f"memory: " + ", ".join(shown(n, t) for n, t in named[:2]))
+                    return True
         elif func in (aten._local_scalar_dense.default, aten.nonzero.default):
             if not host(first):
                 host_sync(f"{op} (.item(), float(), a shape from data) of {shown('self', first)}")
+                return True
         elif len({"cpu" if host(t) else tag(t) for n, t in named if (t.dim() or not host(t)) and not (
                 func in INDEXING and n.startswith("indices") and host(t))}) > 1:  # one kernel, one device
             refuse(op, ", ".join(shown(n, t) for n, t in named))
@@ -154,24 +179,47 @@ class FakeCuda(TorchDispatchMode):
 
 # ---- the CUDA runtime, stubbed: a fake GPU per local rank -----------------------------------------------------
 class Stream:
-    """Orders nothing here; what is recorded: the compute stream (the default one) waiting for another stream's
-    events in forward, where it should compute while copies and collectives run beside it."""
-    def __init__(self, *args, **kwargs):
-        pass
+    """Ordered by the stream model (tests/fake_streams.py); also recorded: the compute stream (the default one)
+    waiting for another stream's events in forward, where it should compute while copies and collectives run."""
+    def __init__(self, *args, stream_id=None, **kwargs):
+        self.id = streams.new_id() if stream_id is None else stream_id
+        streams.stream_created(self.id, where())
     def wait_event(self, event):
         if self is state.compute and event.stream is not self:
             seen[f"compute waits for another stream in {flags.phase}"] += 1
-    wait_stream = lambda self, other: self.wait_event(Event(other))
-    record_event = lambda self, event=None: Event(self)
-    query, synchronize = lambda self: True, lambda self: host_sync("synchronize()")
+        streams.wait(self.id, event.id)
+    def wait_stream(self, other):
+        self.wait_event(Event().record(other))
+    def record_event(self, event=None):
+        return (event or Event()).record(self)
+    def synchronize(self):
+        host_sync("synchronize()")
+        streams.host_waits_for_stream(self.id)
+    query = lambda self: True
 
 class Event:
-    def __init__(self, stream=None, *args, **kwargs):
-        self.stream = stream if isinstance(stream, Stream) else None
-    record = lambda self, stream=None: setattr(self, "stream", stream or current_stream())
-    wait = lambda self, stream=None: (stream or current_stream()).wait_event(self)
+    def __init__(self, *args, **kwargs):
+        self.stream = None  # where it was last recorded
+        self.id = streams.new_id()
+    def record(self, stream=None):
+        self.stream = stream or current_stream()
+        streams.record(self.id, self.stream.id)
+        return self
+    def wait(self, stream=None):
+        (stream or current_stream()).wait_event(self)
+    def synchronize(self):
+        host_sync("synchronize()")
+        streams.host_waits_for_event(self.id)
     query, elapsed_time = lambda self: True, lambda self, other: 0.0
-    synchronize = lambda self: host_sync("synchronize()")
+
+def synchronize(device=None):
+    host_sync("synchronize()")
+    streams.device_synchronize()
+
+def record_stream(t, stream):
+    if host(t):
+        refuse("record_stream", shown("self", t))
+    streams.record_stream(t, stream.id)
 
 def current_stream(device=None):
     return flags.streams[-1] if flags.streams else state.compute
@@ -225,13 +273,31 @@ def nccl_checked(name, fn):
     the module's own functions, left alone: with gloo they run on the host)."""
     signature = inspect.signature(fn)
     def checked(*args, **kwargs):
-        if state.nccl:
-            seen["collectives"] += 1
-            seen["collectives issued on another stream"] += current_stream() is not state.compute
-            named = tensors(signature.bind_partial(*args, **kwargs).arguments.items())
-            if any(tag(t) != f"cuda:{state.device}" for _, t in named):
-                refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named))
-        return during("collective", True, fn)(*args, **kwargs)
+        if not state.nccl:
+            return during("collective", True, fn)(*args, **kwargs)
+        seen["collectives"] += 1
+        issued_on = current_stream()
+        seen["collectives issued on another stream"] += issued_on is not state.compute
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        named = tensors(bound.items())
+        if any(tag(t) != f"cuda:{state.device}" for _, t in named):
+            refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named))
+        mismatch = collectives.mismatch(dist, name, named, where())
+        if mismatch:  # issued, it would hang or mix unrelated buffers: stop here, with every finding
+            refuse(f"c10d {name}", mismatch)
+            sys.stdout.flush()
+            real["exit"](report(1))
+        state.nccl_stream.wait_stream(issued_on)  # NCCL's stream runs it after the work queued where it was issued
+        streams.tensors(fake_streams.NCCL, f"c10d {name}", *fake_streams.collective_tensors(name, named))
+        done = state.nccl_stream.record_event()
+        for _, t in named:  # c10d holds its tensors' memory for NCCL's stream until the collective is done
+            streams.record_stream(t, fake_streams.NCCL)
+        work = during("collective", True, fn)(*args, **kwargs)
+        join = lambda event: streams.wait(current_stream().id, event.id)  # noqa: E731  (no count: not forward's wait)
+        if bound.get("async_op"):
+            return fake_streams.Work(work, done, join)
+        join(done)  # a blocking collective: the current stream waits for it
+        return work
     return checked
 
 def checked_engine(Engine):
@@ -249,6 +315,8 @@ def checked_engine(Engine):
         named = tensors((f"arg{i}", t) for i, t in enumerate(args))
         if any(not host(t) for _, t in named):
             refuse("cpu_adam.adam_step", ", ".join(shown(n, t) for n, t in named))
+        written = [t for n, t in named if n != "arg1"]  # (param, grad, m, v, out, ...): it reads the gradient only
+        streams.tensors(fake_streams.HOST, "cpu_adam.adam_step", [named[1][1]], written)
         return adam.adam_step(*args)
     Engine.__init__ = __init__
     Engine.forward = during("phase", "forward", Engine.forward)
@@ -290,7 +358,7 @@ def install():
             current_device=lambda: state.device, get_device_name=lambda d=None: "fake CUDA",
             get_device_capability=lambda d=None: (9, 0), is_bf16_supported=lambda *a, **k: True, Stream=Stream,
             Event=Event, stream=stream, current_stream=current_stream,
-            synchronize=lambda d=None: host_sync("synchronize()"),
+            synchronize=synchronize,
             max_memory_allocated=lambda d=None: fake_memory.memory(index(d)).peak,
             memory_allocated=lambda d=None: fake_memory.memory(index(d)).allocated,
             memory_reserved=lambda d=None: fake_memory.memory(index(d)).reserved,
@@ -306,7 +374,7 @@ def install():
     torch.Tensor.is_cuda = property(lambda t: not host(t))
     torch.Tensor.to = to
     torch.Tensor.tolist = tolist
-    torch.Tensor.record_stream = lambda t, stream: host(t) and refuse("record_stream", shown("self", t))
+    torch.Tensor.record_stream = record_stream
     torch.Tensor.cpu = lambda t, memory_format=torch.preserve_format: t.to("cpu", memory_format=memory_format)
     torch.Tensor.cuda = lambda t, device=None, non_blocking=False, **kwargs: t.to(
         "cuda" if device is None else device, non_blocking=non_blocking)
@@ -317,7 +385,8 @@ def install():
                  "all_to_all_single", "send", "recv", "isend", "irecv"):
         if hasattr(dist, name):
             setattr(dist, name, nccl_checked(name, getattr(dist, name)))
-    state.compute = Stream()
+    state.compute = Stream(stream_id=fake_streams.csan.DEFAULT_STREAM_ID)
+    state.nccl_stream = Stream(stream_id=fake_streams.NCCL)
     import train_gpt
     train_gpt.CharData.batch = during("phase", "batch", train_gpt.CharData.batch)  # its copies up: never blocking
     main = train_gpt.main
@@ -326,13 +395,15 @@ def install():
 
 def report(code):
     """Write this rank's findings (to FAKE_CUDA_FINDINGS/rank<r>.json), print them; the exit code: 1 on a finding."""
+    streams.check_frees()  # the storages freed since the last kernel
     rank, out = int(os.environ.get("RANK", 0)), os.environ.get("FAKE_CUDA_FINDINGS")
     if out:
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        with open(os.path.join(out, f"rank{rank}.json.part"), "w") as f:  # whole or absent: a rank may be stopped
             memory = {k: vars(m) for k, m in fake_memory.devices.items()}
             json.dump({"rank": rank, "exit_code": code, "findings": findings, "seen": +seen, "memory": memory,
                        "host_memory": fake_memory.host_memory_stats()}, f, indent=1)
+        os.replace(os.path.join(out, f"rank{rank}.json.part"), os.path.join(out, f"rank{rank}.json"))
     for message, count in findings.items():
         print(f"fake_cuda: rank {rank}: {message}" + f" ({count} times)" * (count > 1), file=sys.stderr, flush=True)
     return code or int(bool(findings))
