@@ -25,14 +25,14 @@ import torch.nn as nn
 import torch.utils.cpp_extension
 
 from train_gpt import (OPENMP, Misuse, build_cpu_adam, clip_coef, comm, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source,
-                       main, set_cpu_adam_threads, sum_of_squares, trained)
+                       main, set_cpu_adam_threads, trained)
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
     """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
     isa = cpu_adam_isa(isa)
     return set_cpu_adam_threads(build_cpu_adam(isa, lambda: torch.utils.cpp_extension.load_inline(
-        f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()], functions=["adam_step", "isa", "set_threads", "threads"],
-        extra_cflags=cpu_adam_cflags(isa), extra_ldflags=OPENMP)), spare, announce)
+        f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()], extra_cflags=cpu_adam_cflags(isa), extra_ldflags=OPENMP,
+        functions=["adam_step", "sum_of_squares", "isa", "set_threads", "threads"])), spare, announce)
 
 class Copies:
     """Copies between device and host memory on a copy stream beside the compute stream, joined to it by events, with
@@ -262,9 +262,9 @@ class OffloadEngine:
         if not self.sync:
             raise RuntimeError(Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
-        # [Offload] wait for the gradients on the CPU; the global norm; C++ AdamW there; the new parameters back
+        # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
         self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory
-        norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets).to(self.device)
+        norm = torch.tensor(self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64).to(self.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
