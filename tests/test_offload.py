@@ -4,6 +4,7 @@ model state lives; every mode again on a simulated asynchronous device, where a 
 every device-host copy's host end allocated to be pinned; and a failed background update stopping the run."""
 import json
 import os
+import sys
 
 import pytest
 
@@ -73,6 +74,18 @@ def test_accumulated_gradient_shard_is_a_device_state_in_the_formula(runner, fla
     at = TRAIN.index("--grad_accum")
     one = runner.run(OFFLOAD, 2, *MODEL, *TRAIN[:at], "--grad_accum", "1", *TRAIN[at + 2:], *flags).summary
     assert "grad_acc" not in one["model_state_bytes"], one["model_state_bytes"]
+
+
+def test_compare_counts_the_accumulated_shard(runner, tmp_path):
+    """bench/compare.py's model-state total counts grad_acc (which has no column of its own): on a CPU, where the peak
+    counts every state, states + other = peak."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compare
+    s = runner.run(OFFLOAD, 2, *MODEL, *TRAIN).summary
+    (tmp_path / "offload.json").write_text(json.dumps(s))
+    row, = compare.load_rows(tmp_path)
+    assert row["states_measured"] == sum(v["measured"] for v in s["model_state_bytes"].values()), row
+    assert row["states_measured"] + row["other"] == s["peak_memory_bytes"], row
 
 
 PLACEMENT = '''
