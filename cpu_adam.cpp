@@ -1,6 +1,7 @@
 // cpu_adam.cpp: a fast, exact AdamW step for fp32 master weights on the CPU (ZeRO-Offload's optimizer).
 //
 //     adam_step(param, grad, exp_avg, exp_avg_sq, param_out, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+//     sum_of_squares(grad) -> float: Σ grad² in double, for the gradient norm that decides the clipping
 //
 // The algorithm: torch.optim.AdamW for one fp32 tensor, with torch's operations in torch's order, each rounded once
 // to fp32 (the two multiply-adds fused), so the result is defined bit for bit by these lines on every CPU and path:
@@ -47,6 +48,12 @@
 // nearest even: what ZeRO-Offload copies back to the device). fp16's narrowing is vcvtps2ph on the vector paths
 // and integer arithmetic on the portable one, the same bits: ties to even, overflow to inf, subnormals kept (no
 // flush to zero), and NaN as the quiet NaN 0x7e00 (bf16's: 0x7fc0).
+//
+// sum_of_squares(grad) (fp32, bf16 or fp16) runs on the same threads and tiles: each element is widened to double and
+// squared there, exactly (a float's 24-bit significand squared fits a double's 53 bits, and no float squared leaves
+// a double's range), then summed in double: per tile in the vector path's lanes (or the portable loop's 8
+// accumulators), the tiles' sums added in tile order, so the result does not depend on the number of threads. Its
+// error is that of the additions alone, under n * 2^-53 of the sum; an inf or NaN element makes the sum inf or NaN.
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -54,6 +61,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -196,6 +204,15 @@ struct Simd {
     static F div(F a, F b) { return _mm512_div_ps(a, b); }
     static F sqrt(F a) { return _mm512_sqrt_ps(a); }
     static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    // sum_of_squares: the two halves of x widened to 8 doubles each, squared (exactly) and added to lo and hi
+    using D = __m512d;
+    static D dzero() { return _mm512_setzero_pd(); }
+    static void add_squares(D& lo, D& hi, F x) {
+        const D a = _mm512_cvtps_pd(_mm512_castps512_ps256(x)), b = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
+        lo = _mm512_add_pd(lo, _mm512_mul_pd(a, a));
+        hi = _mm512_add_pd(hi, _mm512_mul_pd(b, b));
+    }
+    static double total(D lo, D hi) { return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi)); }
 };
 #elif defined(CPU_ADAM_AVX2)
 constexpr const char* kIsa = "avx2";
@@ -230,6 +247,19 @@ struct Simd {
     static F div(F a, F b) { return _mm256_div_ps(a, b); }
     static F sqrt(F a) { return _mm256_sqrt_ps(a); }
     static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    // sum_of_squares: the two halves of x widened to 4 doubles each, squared (exactly) and added to lo and hi
+    using D = __m256d;
+    static D dzero() { return _mm256_setzero_pd(); }
+    static void add_squares(D& lo, D& hi, F x) {
+        const D a = _mm256_cvtps_pd(_mm256_castps256_ps128(x)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+        lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+        hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+    }
+    static double total(D lo, D hi) {
+        double d[4];
+        _mm256_storeu_pd(d, _mm256_add_pd(lo, hi));
+        return (d[0] + d[1]) + (d[2] + d[3]);
+    }
 };
 #else
 constexpr const char* kIsa = "scalar";
@@ -270,6 +300,32 @@ void adam_tile(float* p, const G* g, float* m, float* v, O* out, int64_t begin, 
 template <typename G, typename O>
 void adam_all(float* p, const G* g, float* m, float* v, O* out, int64_t n, const Hyper& h) {
     for_each_tile(p, n, kTile, [&](int64_t b, int64_t e) { adam_tile(p, g, m, v, out, b, e, h); });
+}
+
+// Σ g² over elements [begin, end) of one tile, in double (see the header).
+template <typename G>
+double sum_of_squares_tile(const G* g, int64_t begin, int64_t end) {
+    int64_t i = begin;
+    double total = 0.0;
+#if defined(CPU_ADAM_AVX512) || defined(CPU_ADAM_AVX2)
+    using S = Simd;
+    S::D lo = S::dzero(), hi = S::dzero();
+    for (; i + S::width <= end; i += S::width) S::add_squares(lo, hi, S::load(g + i));
+    total = S::total(lo, hi);
+#endif
+    // The portable path (8 sums side by side, which the compiler may vectorise), and the SIMD paths' tail.
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; i + 8 <= end; i += 8) {
+        for (int k = 0; k < 8; ++k) {
+            const double x = load1(g, i + k);
+            acc[k] += x * x;
+        }
+    }
+    for (int k = 0; i < end; ++i, ++k) {
+        const double x = load1(g, i);
+        acc[k] += x * x;
+    }
+    return total + (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
 }
 
 void check(const at::Tensor& t, const char* name, int64_t n, bool allow_16) {
@@ -329,6 +385,27 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
     with_type(grad.scalar_type(), grad.data_ptr(), [&](auto* g) {
         with_type(o_type, o, [&](auto* out) { adam_all(p, g, m, v, out, n, h); });
     });
+}
+
+// Σ grad² in double over a contiguous fp32, bf16 or fp16 CPU tensor, on the kernel's threads (see the header).
+double sum_of_squares(at::Tensor grad) {
+    const int64_t n = grad.numel();
+    TORCH_CHECK(grad.device().is_cpu(), "sum_of_squares: grad is on ", grad.device(), "; pass a CPU tensor (.cpu())");
+    TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16 ||
+                grad.scalar_type() == at::kHalf, "sum_of_squares: grad has dtype ", grad.scalar_type(),
+                "; it must be float32, bfloat16 or float16");
+    TORCH_CHECK(grad.is_contiguous(), "sum_of_squares: grad is not contiguous; pass a contiguous tensor (a flat "
+                "buffer, or .contiguous())");
+    const int64_t tiles = (n + kTile - 1) / kTile;
+    std::vector<double> sums(tiles, 0.0);  // one per tile, added in order below: the same result on any threads
+    pybind11::gil_scoped_release no_gil;
+    with_type(grad.scalar_type(), grad.data_ptr(), [&](auto* g) {
+#pragma omp parallel for schedule(static) num_threads(num_threads()) if (tiles > 1)
+        for (int64_t t = 0; t < tiles; ++t) sums[t] = sum_of_squares_tile(g, t * kTile, std::min(n, (t + 1) * kTile));
+    });
+    double total = 0.0;
+    for (const double s : sums) total += s;
+    return total;
 }
 
 // The code path this build was compiled with: "avx512", "avx2" or "scalar".

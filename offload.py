@@ -3,6 +3,7 @@ offload.py: ZeRO-Offload, stage 3 plus one idea: the optimizer and its states li
 
 Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
     device    bf16 parameters 2Ψ/N (none with --offload_params) + the working set of stage 3 (ZeRO-Offload paper)
+              + with --grad_accum > 1, the gradient shard summed over the micro-steps 2Ψ/N (--offload_params too)
     host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ the parameters 2Ψ/N: --offload_params)
     sent      what stage 3 sends; and over each rank's device-host link, 2Ψ/N down and 2Ψ/N up
 
@@ -10,6 +11,8 @@ The idea: each bucket's reduced gradient shard goes down to pinned host memory o
 of backward; the step waits for it, and a C++ AdamW (cpu_adam.cpp, built by load_inline) updates it there, the new
 parameters going up bucket by bucket. --offload_params keeps the parameter shard in CPU memory too, up for each gather
 (ZeRO-3 Offload); --delayed_update runs step t's update in a thread during step t+1 (the ZeRO-Offload paper's DPU).
+With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the sum goes
+down (a sum on the host would have to wait inside backward for each micro-step's copy to land).
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
@@ -22,14 +25,14 @@ import torch.nn as nn
 import torch.utils.cpp_extension
 
 from train_gpt import (OPENMP, Misuse, build_cpu_adam, clip_coef, comm, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source,
-                       main, require, set_cpu_adam_threads, sum_of_squares, trained)
+                       main, require, set_cpu_adam_threads, trained)
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
     """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
     isa = cpu_adam_isa(isa)
     return set_cpu_adam_threads(build_cpu_adam(isa, lambda: torch.utils.cpp_extension.load_inline(
-        f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()], functions=["adam_step", "isa", "set_threads", "threads"],
-        extra_cflags=cpu_adam_cflags(isa), extra_ldflags=OPENMP)), spare, announce)
+        f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()], extra_cflags=cpu_adam_cflags(isa), extra_ldflags=OPENMP,
+        functions=["adam_step", "sum_of_squares", "isa", "set_threads", "threads"])), spare, announce)
 
 class Copies:
     """Copies between device and host memory on a copy stream beside the compute stream, joined to it by events, with
@@ -81,7 +84,8 @@ class OffloadEngine:
     @staticmethod
     def add_args(parser):
         parser.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
-        parser.add_argument("--offload_params", action="store_true", help="keep the parameter shard on the CPU too")
+        parser.add_argument("--offload_params", action="store_true", help="keep the parameter shard on the CPU too "
+                            "(with --grad_accum > 1 the gradient shard is summed on the device)")
         parser.add_argument("--delayed_update", action="store_true", help="run step t's CPU update during step t+1")
 
     def __init__(self, model, args, device, units=None):
@@ -133,6 +137,8 @@ class OffloadEngine:
         self.adam, self.adam_step = load_cpu_adam(announce=self.rank == 0, spare=int(args.delayed_update)), 0
         self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # down from the last micro-step
         self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # the new parameters, on their way up
+        # --grad_accum > 1: the micro-steps' reduced shards, summed on the device (grad_shard's size and dtype)
+        self.grad_acc = None if args.grad_accum == 1 else torch.zeros_like(self.grad_shard, device=device)
         # [/Offload]
         # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
         if args.offload_params:
@@ -225,6 +231,8 @@ class OffloadEngine:
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
+            if self.grad_acc is not None and b.acc is None:  # [Offload] a step's first micro-step: into grad_acc
+                b.reduced = self.grad_acc[self._shard(b)]
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
@@ -259,9 +267,9 @@ class OffloadEngine:
     def step(self, lr):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
-        # [Offload] wait for the gradients on the CPU; the global norm; C++ AdamW there; the new parameters back
+        # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
         self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory
-        norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets).to(self.device)
+        norm = torch.tensor(self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64).to(self.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
@@ -319,8 +327,9 @@ class OffloadEngine:
 
     def model_states(self):
         spare = [self.spare_grad_shard] if self.args.delayed_update else []  # --delayed_update's second shard
+        acc = {} if self.grad_acc is None else {"grad_acc": [self.grad_acc]}  # --grad_accum > 1: on the device
         return {"params": [self.param_shard], "grads": [self.grad_shard, *spare],
-                "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
+                "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v], **acc}
 
     def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
         self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)

@@ -164,28 +164,35 @@ class CharData:
 
 SHARDED = dict(reference=(), stage0=(), stage1=("master", "adam_m", "adam_v"))  # the categories each stage divides by N
 SHARDED["stage2"] = ("grads",) + SHARDED["stage1"]
-SHARDED["stage3"] = SHARDED["offload"] = ("params",) + SHARDED["stage2"]
+SHARDED["stage3"] = ("params",) + SHARDED["stage2"]
+SHARDED["offload"] = SHARDED["stage3"] + ("grad_acc",)
 
-def bytes_per_param(param_bytes=2, grad_shards=1):
+def bytes_per_param(param_bytes=2, grad_shards=1, grad_acc=False):
     """Model-state bytes per parameter by category: 2 + 2 + K (K = 12) in bf16 or fp16, 4 + 4 + 12 in fp32. Offload's
-    delayed update holds a second gradient shard (grad_shards=2), the one its CPU update reads while the next fills."""
-    return {"params": param_bytes, "grads": grad_shards * param_bytes, "master": 4, "adam_m": 4, "adam_v": 4}
+    delayed update holds a second gradient shard (grad_shards=2), the one its CPU update reads while the next fills;
+    with gradient accumulation (grad_acc=True) offload sums the micro-steps' gradient shards on the device, one more
+    shard of param_bytes per parameter (in "grad_acc"; the other stages accumulate in "grads")."""
+    b = {"params": param_bytes, "grads": grad_shards * param_bytes, "master": 4, "adam_m": 4, "adam_v": 4}
+    if grad_acc:
+        b["grad_acc"] = param_bytes
+    return b
 
-def model_state_theory(stage, n_params, world_size, param_bytes=2, grad_shards=1):
+def model_state_theory(stage, n_params, world_size, param_bytes=2, grad_shards=1, grad_acc=False):
     """Bytes per rank by category for Ψ = n_params on N = world_size ranks, the sharded categories divided by N
     (n_params is the padded count, a multiple of N, for sharded stages)."""
-    full = {k: b * n_params for k, b in bytes_per_param(param_bytes, grad_shards).items()}
+    full = {k: b * n_params for k, b in bytes_per_param(param_bytes, grad_shards, grad_acc).items()}
     return {k: v // world_size if k in SHARDED[stage] else v for k, v in full.items()}
 
-def formula_text(stage, param_bytes=2, grad_shards=1):
+def formula_text(stage, param_bytes=2, grad_shards=1, grad_acc=False):
     """The per-rank formula as the paper writes it: '16Ψ' (stage 0, bf16), '8Ψ + 12Ψ/N' (stage 1, fp32) ..."""
-    b = bytes_per_param(param_bytes, grad_shards)
+    b = bytes_per_param(param_bytes, grad_shards, grad_acc)
     whole = sum(v for k, v in b.items() if k not in SHARDED[stage])
     shard = sum(v for k, v in b.items() if k in SHARDED[stage])
     return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{shard}Ψ/N"] * bool(shard))
 
 def host_categories(stage, offload_params=False):
-    """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device."""
+    """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device (the
+    parameters unless offload_params; with gradient accumulation, "grad_acc": the gradient shard summed there)."""
     return ("grads", "master", "adam_m", "adam_v") + ("params",) * offload_params if stage == "offload" else ()
 
 def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
@@ -354,8 +361,10 @@ def theory(stage, padded_numel, world_size, dtype, args, device):
     bytes sent per step, which states live on the host, and pinned host memory (with CUDA)."""
     param_bytes, offload_params = torch.finfo(dtype).bits // 8, getattr(args, "offload_params", False)
     grad_shards = 1 + bool(getattr(args, "delayed_update", False))  # offload's delayed update: a second gradient shard
-    return dict(states=model_state_theory(stage, padded_numel, world_size, param_bytes, grad_shards),
-                formula=formula_text(stage, param_bytes, grad_shards), host=host_categories(stage, offload_params),
+    grad_acc = stage == "offload" and args.grad_accum > 1  # offload sums the micro-steps' shards on the device
+    return dict(states=model_state_theory(stage, padded_numel, world_size, param_bytes, grad_shards, grad_acc),
+                formula=formula_text(stage, param_bytes, grad_shards, grad_acc),
+                host=host_categories(stage, offload_params),
                 comm=comm_theory(stage, padded_numel, world_size, param_bytes, args.grad_accum),
                 pinned=pinned_theory(stage, padded_numel, world_size, param_bytes, offload_params, grad_shards == 2)
                 if device.type == "cuda" else 0)  # nothing is pinned without CUDA

@@ -123,7 +123,9 @@ def load_rows(run_dir, only=None):
             checkpoint_activations=bool(args.get("checkpoint_activations", False)),
             grad_accum=args.get("grad_accum"), offload_params=offload_params,
             host=list(host_categories(s["stage"], offload_params)),
-            measured=meas, theory=theo, states_measured=sum(meas.values()), states_theory=sum(theo.values()),
+            measured=meas, theory=theo,  # the totals: every category (offload's grad_acc too, which has no column)
+            states_measured=sum(v.get("measured", 0) for v in msb.values()),
+            states_theory=sum(v.get("theory", 0) for v in msb.values()),
             ranks_differ=bool(rank_totals) and max(rank_totals) != min(rank_totals),
             max_rank_states=max(rank_totals) if rank_totals else sum(meas.values()),
             peak=s["peak_memory_bytes"], other=other_bytes(s),

@@ -50,6 +50,7 @@ COVERED = {
         "tests/test_largest.py::test_largest_checkpointed",
     "python bench/peers.py --steps 10 --rounds 2 --results": "test_peers",
     "python bench/bench_adam.py --sizes 22 24 26 --repeats 7 --results": "test_bench_adam",
+    "python bench/bench_norm.py --sizes 24 26 --repeats 7 --results": "test_bench_norm",
     "python bench/timeline.py stage0_ddp.py --nproc 2 --preset small --steps 8 --out runs/tl/stage0_buckets --results":
         "tests/test_timeline.py::test_stage0_buckets_reduce_while_backward_runs",
     "python bench/timeline.py stage0_ddp.py --nproc 2 --preset small --steps 8 --bucket_mb 1000 --out "
@@ -257,6 +258,15 @@ def test_bench_adam(tmp_path):
     body = published(tmp_path / "adam.md", "bench/bench_adam.py")
     assert re.search(r"^\| 2\^20 \| [\d,]+ \(.*GB/s\) \| .* \| [\d,]+ \| [\d.]+% \|", body, re.M), body
     assert "| size | vs torch foreach | vs torch fused" in body, body
+
+
+def test_bench_norm(tmp_path):
+    """bench/bench_norm.py: at one size (2^16), one sample, no retakes: a row per gradient dtype, each with a speed-up."""
+    run("python bench/bench_norm.py --sizes 24 26 --repeats 7 --results", "--sizes", "16", "--repeats", "1",
+        "--retakes", "0", "--results", tmp_path)
+    body = published(tmp_path / "norm.md", "bench/bench_norm.py")
+    for dtype in ("bfloat16", "float32"):
+        assert re.search(rf"^\| 2\^16 \| {dtype} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+x \|", body, re.M), body
 
 
 def test_timeline_results(tmp_path):

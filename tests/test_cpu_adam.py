@@ -480,3 +480,82 @@ def test_bad_inputs_raise_clear_errors(over, words):
         assert w.lower() in str(e.value).lower(), (w, str(e.value))
     if before is not None:
         assert torch.equal(args[0], before)  # nothing was touched
+
+
+# ---- sum_of_squares: Σ g² for offload's gradient norm, in double on the kernel's threads, against the exact sum.
+# Each square of a float is exact in float64, so the only error is the additions': at most n * 2^-53 of the sum (all
+# terms are >= 0). math.fsum gives the exactly rounded sum, on any CPU.
+
+def exact_sum_of_squares(g):
+    return math.fsum(x * x for x in g.double().tolist())
+
+
+def gradient(n, grad_dtype, seed, scale=1.0):
+    """n random values in grad_dtype, the first ones special: zeros, subnormals, the largest (fp16: its range's)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = scale * torch.randn(n, generator=gen)
+    huge = [65504.0, -65504.0] if grad_dtype == torch.float16 else [3e38, -2e19]
+    special = (SPECIAL_G16 if grad_dtype == torch.float16 else SPECIAL_G) + huge
+    k = min(n, len(special))
+    g[:k] = torch.tensor(special[:k])
+    return g.to(grad_dtype)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 17, 33, 100_003, 2**17 + 5])  # tails, vectors and tails, several tiles
+def test_sum_of_squares_against_exact(kernel, n, grad_dtype):
+    """Random values with zeros, subnormals and huge values among them (a square beyond fp32's range is no inf):
+    within the additions' bound of the exactly rounded sum; and small values alone (subnormal squares)."""
+    for scale in (1.0, 1e-30):
+        g = gradient(n, grad_dtype, seed=n, scale=scale)
+        ours, exact = kernel.sum_of_squares(g), exact_sum_of_squares(g)
+        assert isinstance(ours, float) and math.isfinite(ours), ours
+        assert abs(ours - exact) <= n * 2.0**-53 * exact, (kernel.isa(), n, grad_dtype, scale, ours, exact)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sum_of_squares_zeros_and_non_finite(kernel, grad_dtype):
+    """All zeros (-0.0 too) sum to 0.0; one inf or NaN anywhere (in a vector, a tail, another tile) makes the sum inf
+    or NaN, so the step's non-finite check (fp16's skip) still sees it."""
+    n = 2**17 + 21
+    assert kernel.sum_of_squares(torch.zeros(n, dtype=grad_dtype)) == 0.0
+    assert kernel.sum_of_squares(torch.full((n,), -0.0, dtype=grad_dtype)) == 0.0
+    for at in (0, 5, 16, 2**16 + 3, n - 1):
+        for bad, check in ((math.inf, math.isinf), (-math.inf, math.isinf), (math.nan, math.isnan)):
+            g = gradient(n, grad_dtype, seed=at)
+            g[at] = bad
+            got = kernel.sum_of_squares(g)
+            assert check(got) and (math.isnan(got) or got > 0), (kernel.isa(), grad_dtype, at, bad, got)
+        g = gradient(n, grad_dtype, seed=at)
+        g[at], g[n - 1 - at] = math.inf, math.nan
+        assert math.isnan(kernel.sum_of_squares(g)), (kernel.isa(), grad_dtype, at)
+
+
+def test_sum_of_squares_views_and_threads(kernel):
+    """Contiguous views at odd offsets (a bucket's slice of the flat gradient shard), on 1 thread or 2: the same bits
+    as an aligned tensor (the tiles' sums are added in tile order, whatever thread computed them)."""
+    n = 300_001
+    g = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16()
+    view = torch.empty(n + 7, dtype=torch.bfloat16)[7:].copy_(g)
+    threads = kernel.threads()
+    try:
+        kernel.set_threads(1)
+        one = kernel.sum_of_squares(g)
+        kernel.set_threads(2)
+        two = kernel.sum_of_squares(view)
+    finally:
+        kernel.set_threads(threads)
+    assert one == two, (kernel.isa(), one, two)
+    assert abs(one - exact_sum_of_squares(g)) <= n * 2.0**-53 * one
+
+
+@pytest.mark.parametrize("grad, words", [
+    (torch.zeros(128)[::2], ["grad", "not contiguous"]),
+    (torch.zeros(64, dtype=torch.float64), ["grad", "Double", "float32, bfloat16 or float16"]),
+    (torch.zeros(64, device="meta"), ["grad", "meta", "CPU"]),
+])
+def test_sum_of_squares_bad_inputs_raise_clear_errors(grad, words):
+    with pytest.raises(RuntimeError) as e:
+        load_cpu_adam(RUNNABLE[0]).sum_of_squares(grad)
+    for w in words:
+        assert w.lower() in str(e.value).lower(), (w, str(e.value))

@@ -26,11 +26,12 @@ FP16 = [a if a != "fp32" else "fp16" for a in TRAIN]  # TRAIN's 6 steps, grad_ac
 # none more than 5.0e-4 apart. The margins keep real mistakes visible: a sum instead of an average moves the norm by a
 # factor N, a lost micro-step halves it, and an update skipped or applied twice moves many elements by lr.
 LOSS_ATOL, NORM_RTOL, BULK_RTOL, BULK_SHARE, ATOL_ANY = 1e-4, 1e-3, 1e-3, 0.99, 2e-3
-# The paper's model-state formulas in fp16 (2 + 2 + 12 bytes per parameter), per rank
-PAPER = {"stage0": "16Ψ", "stage1": "4Ψ + 12Ψ/N", "stage2": "2Ψ + 14Ψ/N", "stage3": "16Ψ/N", "offload": "16Ψ/N"}
+# The paper's model-state formulas in fp16 (2 + 2 + 12 bytes per parameter), per rank; offload's 16Ψ/N plus the
+# gradient shard it sums on the device over FP16's 2 micro-steps (2Ψ/N)
+PAPER = {"stage0": "16Ψ", "stage1": "4Ψ + 12Ψ/N", "stage2": "2Ψ + 14Ψ/N", "stage3": "16Ψ/N", "offload": "18Ψ/N"}
 PAPER_BYTES = {"stage0": lambda n, N: 16 * n, "stage1": lambda n, N: 4 * n + 12 * n // N,
                "stage2": lambda n, N: 2 * n + 14 * n // N, "stage3": lambda n, N: 16 * n // N,
-               "offload": lambda n, N: 16 * n // N}
+               "offload": lambda n, N: 18 * n // N}
 STEP, RANK = 1, 1  # the overflow: an inf in one gradient element of rank 1, on the first micro-step of step 1
 
 # A stage (or the reference) whose engine sets one gradient element to inf at step OVERFLOW_STEP on rank OVERFLOW_RANK

@@ -2,11 +2,13 @@
 as well, the one-step-delayed update against a reference that applies each update one step late, and where each
 model state lives; every mode again on a simulated asynchronous device, where a missing wait changes the numbers;
 every device-host copy's host end allocated to be pinned; and a failed background update stopping the run."""
+import json
 import os
+import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, Runner
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference  # noqa: F401
 
 OFFLOAD = str(ROOT / "offload.py")
@@ -47,13 +49,89 @@ def test_offload_params_parity_and_placement(runner, reference, nproc):
     assert_same_training(reference, run, f"offload --offload_params at N={nproc}")
     for category, v in run.summary["model_state_bytes"].items():
         assert v["measured"] == v["theory"], f"{category}: measured {v['measured']:,}, formula {v['theory']:,}"
-        assert v["where"] == "host", f"with --offload_params every model state lives on the host; {category} does not"
+        if category != "grad_acc":  # (TRAIN's --grad_accum 2 sums the gradient shard on the device: see below)
+            assert v["where"] == "host", f"with --offload_params every model state is on the host; {category} is not"
 
 
 def test_default_placement(runner):
     s = runner.run(OFFLOAD, 2, *MODEL, *TRAIN).summary
     where = {k: v["where"] for k, v in s["model_state_bytes"].items()}
-    assert where == {"params": "device", "grads": "host", "master": "host", "adam_m": "host", "adam_v": "host"}, where
+    assert where == {"params": "device", "grads": "host", "master": "host", "adam_m": "host", "adam_v": "host",
+                     "grad_acc": "device"}, where  # grad_acc: TRAIN's --grad_accum 2
+
+
+# ---- --grad_accum > 1: the micro-steps' gradient shards are summed on the device, in a buffer the ledger counts
+
+@pytest.mark.parametrize("flags", [[], ["--offload_params"]], ids=["plain", "offload_params"])
+def test_accumulated_gradient_shard_is_a_device_state_in_the_formula(runner, flags):
+    """The summed shard (2Ψ/N in bf16, 4Ψ/N in fp32) is a model state of its own, measured equal to the formula and
+    placed on the device, with --offload_params too; with one micro-step a step there is no such buffer."""
+    s = runner.run(OFFLOAD, 2, *MODEL, *TRAIN, *flags).summary
+    acc, pb = s["model_state_bytes"].get("grad_acc"), 4  # TRAIN: fp32
+    assert acc is not None, f"--grad_accum 2: no grad_acc in the ledger: {sorted(s['model_state_bytes'])}"
+    assert acc["measured"] == acc["theory"] == pb * s["padded_numel"] // 2, acc
+    assert acc["where"] == "device", acc
+    at = TRAIN.index("--grad_accum")
+    one = runner.run(OFFLOAD, 2, *MODEL, *TRAIN[:at], "--grad_accum", "1", *TRAIN[at + 2:], *flags).summary
+    assert "grad_acc" not in one["model_state_bytes"], one["model_state_bytes"]
+
+
+def test_compare_counts_the_accumulated_shard(runner, tmp_path):
+    """bench/compare.py's model-state total counts grad_acc (which has no column of its own): on a CPU, where the peak
+    counts every state, states + other = peak."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compare
+    s = runner.run(OFFLOAD, 2, *MODEL, *TRAIN).summary
+    (tmp_path / "offload.json").write_text(json.dumps(s))
+    row, = compare.load_rows(tmp_path)
+    assert row["states_measured"] == sum(v["measured"] for v in s["model_state_bytes"].values()), row
+    assert row["states_measured"] + row["other"] == s["peak_memory_bytes"], row
+
+
+PLACEMENT = '''
+import json, os, sys
+sys.path.insert(0, {root!r})
+import offload
+from train_gpt import host_categories
+
+
+def model_states(self, original=offload.OffloadEngine.model_states):
+    """model_states, and where each of its tensors lives (on the fake CUDA device: tests/fake_cuda.py's tags)."""
+    states = original(self)
+    host = host_categories("offload", self.args.offload_params)
+    where = {{k: sorted({{t.device.type for t in ts}}) for k, ts in states.items()}}
+    with open(os.path.join(os.environ["PLACEMENT_OUT"], f"rank{{os.environ['RANK']}}.json"), "w") as f:
+        json.dump(dict(where=where, host=list(host)), f)
+    return states
+
+
+offload.OffloadEngine.model_states = model_states
+offload.main(offload.OffloadEngine, stage="offload")
+'''
+
+
+@pytest.mark.parametrize("flags", [[], ["--offload_params"]], ids=["plain", "offload_params"])
+def test_accumulated_gradient_shard_lives_on_the_device(tmp_path, flags):
+    """On the fake CUDA device, at N = 2 with --grad_accum 2 in bf16: each model state lives where host_categories
+    puts it (the summed shard on the device), and the device's other tensors after backward (the ledger's "other")
+    hold no second copy of the summed shard."""
+    script, out = tmp_path / "placement.py", tmp_path / "placement"
+    script.write_text(PLACEMENT.format(root=str(ROOT)))
+    out.mkdir()
+    run = ["--preset", "tiny", "--steps", "2", "--eval_batches", "1", "--sample_chars", "0", "--no_progress",
+           "--batch_size", "8", "--grad_accum", "2", "--dtype", "bf16", "--out", str(tmp_path / "summary.json"), *flags]
+    job = Runner(tmp_path).spawn(str(ROOT / "tests" / "fake_cuda.py"), 2, [str(script), *run],
+                                 env={"PLACEMENT_OUT": str(out)}, timeout=300)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+    for rank in range(2):
+        seen = json.loads((out / f"rank{rank}.json").read_text())
+        assert "grad_acc" in seen["where"], seen
+        for category, devices in seen["where"].items():
+            assert devices == (["cpu"] if category in seen["host"] else ["cuda"]), (rank, category, devices)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    acc = s["model_state_bytes"]["grad_acc"]
+    assert acc["measured"] == acc["theory"] == 2 * s["padded_numel"] // 2 and acc["where"] == "device", acc
+    assert s["other_tensor_bytes"] < acc["measured"], (s["other_tensor_bytes"], acc)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +226,9 @@ class FailingAdam:
     """The C++ AdamW, failing halfway through step 3's update, after one bucket's shard of it."""
     def __init__(self, adam):
         self.adam, self.calls = adam, 0
+
+    def __getattr__(self, name):  # the rest (sum_of_squares, threads, ...) is the kernel's own
+        return getattr(self.adam, name)
 
     def adam_step(self, *args):
         self.calls += args[5] == 3  # args[5]: the step
