@@ -84,9 +84,13 @@ class OffloadEngine:
     @staticmethod
     def add_args(parser):
         parser.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
+        # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too
         parser.add_argument("--offload_params", action="store_true", help="keep the parameter shard on the CPU too "
                             "(with --grad_accum > 1 the gradient shard is summed on the device)")
+        # [/ZeRO-3 Offload]
+        # [DPU] --delayed_update: step t's CPU update runs during step t+1
         parser.add_argument("--delayed_update", action="store_true", help="run step t's CPU update during step t+1")
+        # [/DPU]
 
     def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
@@ -134,7 +138,8 @@ class OffloadEngine:
         self.copies, self.device = Copies(device), device
         self.master = self.param_shard.to("cpu", torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
         self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
-        self.adam, self.adam_step = load_cpu_adam(announce=self.rank == 0, spare=int(args.delayed_update)), 0
+        self.spare_cores = 0  # cores the C++ AdamW leaves to this rank's other threads (--delayed_update: one)
+        self.adam_step = 0  # AdamW's step count
         self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # down from the last micro-step
         self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # the new parameters, on their way up
         # --grad_accum > 1: the micro-steps' reduced shards, summed on the device (grad_shard's size and dtype)
@@ -145,11 +150,15 @@ class OffloadEngine:
             self.param_shard = self.copies.host(self.param_shard.numel(), params[0].dtype).copy_(self.param_shard)
         # [/ZeRO-3 Offload]
         # [DPU] --delayed_update: a second gradient shard, read by step t's update (a thread) while step t+1 fills one
+        self.update = None  # the update in flight
         if args.delayed_update:
             self.spare_grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
             self.updater = ThreadPoolExecutor(1)
+            self.spare_cores = 1  # the update runs beside forward and backward: leave them a core
         # [/DPU]
-        self.update, self.grads_on_host, self.in_flight = None, None, []  # a delayed update; the gradient copies' event
+        self.adam = load_cpu_adam(announce=self.rank == 0, spare=self.spare_cores)  # the C++ AdamW, built once
+        self.grads_on_host = None  # the event of the last gradient shard's copy down
+        self.in_flight = []  # buckets whose reduce-scatter is in flight
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
         self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
@@ -231,7 +240,7 @@ class OffloadEngine:
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
-            if self.grad_acc is not None and b.acc is None:  # [Offload] a step's first micro-step: into grad_acc
+            if self.grad_acc is not None and b.acc is None:  # a step's first micro-step: straight into grad_acc
                 b.reduced = self.grad_acc[self._shard(b)]
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
@@ -276,18 +285,19 @@ class OffloadEngine:
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
             self.grad_shard.zero_()
             return norm
-        self.adam_step, coef = self.adam_step + 1, float(coef)
-        if not self.args.delayed_update:
-            self._cpu_update(self.grad_shard, self.adam_step, lr, coef, send=True)
-            self.copies.compute_waits(self.copies.event())  # the next forward gathers the new parameters
-            return norm
-        # [/Offload]
+        self.adam_step += 1
+        coef = float(coef)  # the C++ AdamW clips in its pass: a number on the host
         # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
-        self._finish_update()  # (after a step skipped for an fp16 overflow: the update from the step before it)
-        self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
-        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.adam_step, lr, coef)
-        return norm
+        if self.args.delayed_update:
+            self._finish_update()  # (after a step skipped for an fp16 overflow: the update from the step before it)
+            self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
+            self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.adam_step, lr, coef)
+            return norm
         # [/DPU]
+        self._cpu_update(self.grad_shard, self.adam_step, lr, coef, send=True)
+        self.copies.compute_waits(self.copies.event())  # the next forward gathers the new parameters
+        return norm
+        # [/Offload]
 
     def _cpu_update(self, grad_shard, step, lr, coef, send=False):
         """C++ AdamW over this rank's shard, a bucket's at a time, writing the new parameters into staging in the same
@@ -326,13 +336,20 @@ class OffloadEngine:
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
-        spare = [self.spare_grad_shard] if self.args.delayed_update else []  # --delayed_update's second shard
-        acc = {} if self.grad_acc is None else {"grad_acc": [self.grad_acc]}  # --grad_accum > 1: on the device
-        return {"params": [self.param_shard], "grads": [self.grad_shard, *spare],
-                "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v], **acc}
+        states = {"params": [self.param_shard], "grads": [self.grad_shard],
+                  "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
+        if self.grad_acc is not None:  # --grad_accum > 1: the gradient shard summed on the device
+            states["grad_acc"] = [self.grad_acc]
+        # [DPU] its second gradient shard
+        if self.args.delayed_update:
+            states["grads"].append(self.spare_grad_shard)
+        # [/DPU]
+        return states
 
     def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
-        self._finish_update()  # with --delayed_update: the update in flight lands first (a one-step shift)
+        # [DPU] the update in flight lands first (a one-step shift)
+        self._finish_update()
+        # [/DPU]
         state, pieces = (self.master, self.adam_m, self.adam_v), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece(p)
