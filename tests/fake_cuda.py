@@ -36,7 +36,7 @@ class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
-            exit=os._exit, run=threading.Thread.run)
+            exit=os._exit, run=threading.Thread.run, generator=torch.Generator)
 
 
 def tag(t):
@@ -236,6 +236,17 @@ def run(thread):
     with FakeCuda():
         real["run"](thread)
 
+def host_generator(sample_text):
+    """train_gpt.sample_text (the end of a run's sample) with torch.Generator(device="cuda") made on the host: a CPU
+    build of torch has no CUDA generator, and the fake device's numbers are the host's."""
+    def sample(*args, **kwargs):
+        torch.Generator = lambda device=None: real["generator"]()
+        try:
+            return sample_text(*args, **kwargs)
+        finally:
+            torch.Generator = real["generator"]
+    return sample
+
 def install():
     none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
     for name, value in dict(
@@ -267,6 +278,7 @@ def install():
     state.compute = Stream()
     import train_gpt
     train_gpt.CharData.batch = during("phase", "batch", train_gpt.CharData.batch)  # its copies up: never blocking
+    train_gpt.sample_text = host_generator(train_gpt.sample_text)
     main = train_gpt.main
     train_gpt.main = lambda Engine, *args, **kwargs: main(checked_engine(Engine), *args, **kwargs)
     os._exit = lambda code: sys.stdout.flush() or real["exit"](report(code))  # instruments.finish's exit: os._exit(0)
