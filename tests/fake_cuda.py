@@ -247,6 +247,14 @@ def host_generator(sample_text):
             torch.Generator = real["generator"]
     return sample
 
+def host_profile(profile):
+    """torch.profiler.profile without ProfilerActivity.CUDA (--profile on the device): a CPU build of torch records
+    no CUDA activity, and asked to, warns with a stack trace at every op; the fake device's ops are the host's."""
+    def profiled(activities=None, **kwargs):
+        return profile(activities=[a for a in activities or [] if a != torch.profiler.ProfilerActivity.CUDA] or None,
+                       **kwargs)
+    return profiled
+
 def install():
     none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
     for name, value in dict(
@@ -279,6 +287,7 @@ def install():
     import train_gpt
     train_gpt.CharData.batch = during("phase", "batch", train_gpt.CharData.batch)  # its copies up: never blocking
     train_gpt.sample_text = host_generator(train_gpt.sample_text)
+    torch.profiler.profile = host_profile(torch.profiler.profile)
     main = train_gpt.main
     train_gpt.main = lambda Engine, *args, **kwargs: main(checked_engine(Engine), *args, **kwargs)
     os._exit = lambda code: sys.stdout.flush() or real["exit"](report(code))  # instruments.finish's exit: os._exit(0)
