@@ -161,3 +161,13 @@ def test_fp16_with_checkpointed_activations(tmp_path):
     assert summary["activation_checkpoints"]["bytes_per_block"] == 2 * 64 * 64 * 2, summary["activation_checkpoints"]
     assert "activations checkpointed: each of the 2 blocks keeps only its input for backward (2 x 64 x 64, 16.0 KiB)" \
         in job.stdout, text
+
+
+def test_profile_of_a_one_step_run_is_refused(tmp_path):
+    """--profile traces a step the memory meter leaves alone (their profilers cannot run one inside the other): a run
+    of one step has none, and says so in one line instead of writing no trace."""
+    job = Runner(tmp_path).spawn(str(ROOT / "train_gpt.py"), 1, [*RUN, "--steps", "1", "--batch_size", "1", "--profile",
+                                 str(tmp_path / "profile")])
+    assert job.returncode == 1 and job.stderr.strip().splitlines()[-1] == (
+        f"error: --profile {tmp_path / 'profile'}: this run trains one step (from step 0 to 1), which the memory meter "
+        "measures; train 2 steps or more to profile one"), job.stdout + job.stderr
