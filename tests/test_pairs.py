@@ -33,7 +33,7 @@ RUN = ["--preset", "tiny", "--eval_batches", "1", "--sample_chars", "8", "--no_p
 
 
 def allowed(row):
-    """A row, or part of one (a dict of some factors), that a run can take: --no_prefetch exists in ZeRO-3's files only."""
+    """A row, or part of one (a dict of some factors), that a run can take: only ZeRO-3's files take --no_prefetch."""
     return not (row.get("no_prefetch") and row.get("engine", GATHERS[0]) not in GATHERS)
 
 
