@@ -95,7 +95,7 @@ def test_rows_cover_every_pair():
     assert len(ROWS) <= 30, f"{len(ROWS)} rows: the matrix would run too long for CI"
 
 
-def command(row, tmp):
+def command(row):
     """The script and arguments of a row's run (the run that reports, after a stopped one when it resumes)."""
     script, *args = ENGINES[row["engine"]]
     args = [*args, *RUN, "--dtype", row["dtype"], "--grad_accum", str(row["grad_accum"]),
@@ -108,13 +108,19 @@ def command(row, tmp):
 
 
 def train(tmp, script, args, row, findings):
+    """Run on the row's N ranks; (the finished job, its last lines). What CUDA would refuse fails the test."""
     job = Runner(tmp).spawn(script, row["nproc"], args, env={"FAKE_CUDA_FINDINGS": str(findings)}, timeout=300)
+    refused = [m for r in range(row["nproc"]) if (findings / f"rank{r}.json").exists()
+               for m in json.loads((findings / f"rank{r}.json").read_text())["findings"]]
+    assert not refused, "CUDA would refuse:\n" + "\n".join(refused)
+    if row["device"] == "fake_cuda":  # every rank reported
+        assert all((findings / f"rank{r}.json").exists() for r in range(row["nproc"])), job.stdout + job.stderr
     return job, "\n".join(last_lines(job.stdout + job.stderr, 30))
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[name(r) for r in ROWS])
 def test_every_pair_runs(tmp_path, row):
-    script, args = command(row, tmp_path)
+    script, args = command(row)
     findings = tmp_path / "findings"
     if row["resume"]:  # a run stopped after its first step saves a checkpoint; the run below resumes from it
         first, text = train(tmp_path, script, [*args, "--steps", "3", "--stop_after", "1", "--ckpt_dir",
@@ -129,13 +135,12 @@ def test_every_pair_runs(tmp_path, row):
     files |= {"--timeline": tmp_path / "timeline"} if row["timeline"] else {}
     files |= {"--profile": tmp_path / "profile"} if row["profile"] else {}
     job, text = train(tmp_path, script, [*args, *(a for k, v in files.items() for a in (k, str(v)))], row, findings)
-    refused = [m for r in range(row["nproc"]) if (findings / f"rank{r}.json").exists()
-               for m in json.loads((findings / f"rank{r}.json").read_text())["findings"]]
-    assert not refused, "CUDA would refuse:\n" + "\n".join(refused)
     assert job.returncode == 0, f"the run failed (exit code {job.returncode}):\n{text}"
     assert "memory per rank, MiB" in job.stdout, f"no memory table:\n{text}"
+    assert "--- sample ---" in job.stdout, f"no sample at the end:\n{text}"
     summary = json.loads(files["--out"].read_text())
     assert summary["dtype"] == row["dtype"] and summary["world_size"] == row["nproc"], summary
+    assert summary["resumed_from"] == (1 if row["resume"] else 0), summary["resumed_from"]  # the step it resumed
     if row["checkpoint_activations"]:  # what each block keeps: one micro-batch's input, in the run's dtype
         kept = summary["activation_checkpoints"]["bytes_per_block"]
         assert kept == summary["config"]["block_size"] * summary["config"]["n_embd"] * BYTES[row["dtype"]], summary
@@ -145,8 +150,6 @@ def test_every_pair_runs(tmp_path, row):
     for option, trace in (("--timeline", "trace_rank{}.json"), ("--profile", "rank{}.json")):
         for r in range(row["nproc"] if option in files else 0):
             assert (files[option] / trace.format(r)).exists(), f"{option}: no {trace.format(r)} in {files[option]}"
-    if row["device"] == "fake_cuda":  # every rank reported, and checked something
-        assert all((findings / f"rank{r}.json").exists() for r in range(row["nproc"])), text
 
 
 def test_fp16_with_checkpointed_activations(tmp_path):
