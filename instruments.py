@@ -640,7 +640,7 @@ def activation_checkpoints(args, cfg, world_size):
     micro_batch = args.batch_size // (world_size * args.grad_accum)
     return dict(blocks=cfg.n_layer, kept_per_block="the block's input: micro_batch x block_size x n_embd",
                 micro_batch=micro_batch, bytes_per_block=micro_batch * cfg.block_size * cfg.n_embd
-                * {"bf16": 2, "fp32": 4}[args.dtype])
+                * {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype])
 
 def report(summary, th):
     """What a run ends with: its loss and speed, then the memory table the project is about."""

@@ -420,6 +420,9 @@ def main(Engine, stage, distributed=True, formula=None):
     if rank == 0:
         print(f"{stage}: {args.dtype} ({why})" + f"; loss scale from {scaler.scale:g}" * scaler.enabled, flush=True)
     where, manifest, start, end, ckpt_dir = plan_checkpoints(args, cfg, data.chars, rank, world_size)
+    if args.profile and end - start < 2:  # the one step is the memory meter's, whose profiler cannot run in another
+        stop(f"error: --profile {args.profile}: this run trains one step (from step {start} to {end}), which the "
+             f"memory meter measures; train 2 steps or more to profile one", rank)
 
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
     model = build_model(Engine, cfg, device, dtype, args.checkpoint_activations)
@@ -435,10 +438,11 @@ def main(Engine, stage, distributed=True, formula=None):
     if manifest:  # this rank's state, the step (and fp16's loss scale) from the checkpoint
         start = load_checkpoint(where, manifest, engine, device, stage, scaler)
     measure_step = start if start else min(1, end - 1)  # step 0 creates Adam's moments; step 1 is the steady state
+    profile_step = measure_step + 1 if measure_step + 1 < end else measure_step - 1  # (a step the meter leaves alone)
     measured, step_times, bar = dict(peak=0), [], progress(range(start, end), start, args, rank)
     unread = []  # (loss, grad norm) tensors of the steps since the history was last read
     for step in bar:
-        t0, measuring, profiled = time.perf_counter(), step == measure_step, args.profile and step == measure_step + 1
+        t0, measuring, profiled = time.perf_counter(), step == measure_step, args.profile and step == profile_step
         comm.sent.clear()
         skips = scaler.skipped  # the steps fp16's scaler has skipped: if this step adds one, it was skipped
         try:

@@ -48,7 +48,7 @@ class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
-            exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_)
+            exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator)
 
 
 def tag(t):
@@ -350,6 +350,25 @@ def resize_(storage, nbytes):
         fake_memory.resized(blocks[storage], nbytes, where())
     return out
 
+def host_generator(sample_text):
+    """train_gpt.sample_text (the end of a run's sample) with torch.Generator(device="cuda") made on the host: a CPU
+    build of torch has no CUDA generator, and the fake device's numbers are the host's."""
+    def sample(*args, **kwargs):
+        torch.Generator = lambda device=None: real["generator"]()
+        try:
+            return sample_text(*args, **kwargs)
+        finally:
+            torch.Generator = real["generator"]
+    return sample
+
+def host_profile(profile):
+    """torch.profiler.profile without ProfilerActivity.CUDA (--profile on the device): a CPU build of torch records
+    no CUDA activity, and asked to, warns with a stack trace at every op; the fake device's ops are the host's."""
+    def profiled(activities=None, **kwargs):
+        return profile(activities=[a for a in activities or [] if a != torch.profiler.ProfilerActivity.CUDA] or None,
+                       **kwargs)
+    return profiled
+
 def install():
     none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
     for name, value in dict(
@@ -389,6 +408,8 @@ def install():
     state.nccl_stream = Stream(stream_id=fake_streams.NCCL)
     import train_gpt
     train_gpt.CharData.batch = during("phase", "batch", train_gpt.CharData.batch)  # its copies up: never blocking
+    train_gpt.sample_text = host_generator(train_gpt.sample_text)
+    torch.profiler.profile = host_profile(torch.profiler.profile)
     main = train_gpt.main
     train_gpt.main = lambda Engine, *args, **kwargs: main(checked_engine(Engine), *args, **kwargs)
     os._exit = lambda code: sys.stdout.flush() or real["exit"](report(code))  # instruments.finish's exit: os._exit(0)
