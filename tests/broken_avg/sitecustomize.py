@@ -1,6 +1,6 @@
 """gloo's AVG as older torch had it, faked on the torch installed, for test_torch.py. Python imports this file at
 start-up when its directory is on PYTHONPATH; BROKEN_AVG names the fault:
-    BROKEN_AVG=reduce_scatter_sums  reduce_scatter with op=AVG sums (gloo up to torch 2.8, pytorch issue 162338)
+    BROKEN_AVG=reduce_scatter_sums  reduce_scatter with op=AVG sums (gloo up to torch 2.8)
     BROKEN_AVG=all_reduce_refuses   all_reduce with op=AVG raises (gloo before torch 2.8)"""
 import os
 
