@@ -35,7 +35,48 @@ def init_distributed(args):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    return dist.get_rank(), dist.get_world_size(), device
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
+    problem = torch_too_old(torch.__version__) or not_averaging(rank, world_size, device)
+    if problem:
+        stop(problem, rank)
+    return rank, world_size, device
+
+TORCH_FLOOR = (2, 11)  # the oldest torch the tests were run on (CPU, gloo); requirements.txt says the same
+UPGRADE = f"pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}'"
+
+def torch_too_old(version):
+    """One error line for a torch below TORCH_FLOOR, else None; version as in torch.__version__: "2.13.0+cpu"."""
+    major, minor = version.split(".")[:2]
+    if (int(major), int(minor)) >= TORCH_FLOOR:
+        return None
+    floor = f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}"
+    return f"error: torch {version} is older than this code needs (torch >= {floor}); {UPGRADE}"
+
+def not_averaging(rank, world_size, device):
+    """One error line if the process group's AVG does not average, else None. The stages average gradients with
+    all_reduce and reduce_scatter (op=AVG): gloo in torch 2.4 to 2.7 refuses all_reduce AVG, and up to 2.8 its
+    reduce_scatter AVG sums, so training would take N times the gradients and say nothing. A probe of a few elements,
+    on the real process group: each rank gives rank + 1, whose average is (N + 1) / 2 and whose sum is N times that.
+    (A world of one cannot tell a sum from an average; there TORCH_FLOOR alone guards.)"""
+    average = (world_size + 1) / 2
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    backend = f"the {dist.get_backend()} backend of torch {torch.__version__}"
+    whole = torch.full((world_size,), rank + 1.0, device=device)
+    part = torch.zeros(1, device=device)
+    try:
+        dist.all_reduce(whole, op=dist.ReduceOp.AVG)
+        reduce_scatter(part, torch.full((world_size,), rank + 1.0, device=device), op=dist.ReduceOp.AVG)
+    except Exception as e:  # gloo before torch 2.8: "Cannot use ReduceOp.AVG with Gloo"
+        first_line = (str(e).splitlines() or [""])[0]
+        return f"error: {backend} cannot average ({type(e).__name__}: {first_line}); {UPGRADE}"
+    for name, result in (("all_reduce", whole), ("reduce_scatter", part)):
+        # 1e-3: NCCL multiplies each rank's part by 1/N before it sums, which rounds; a sum is off by a factor N >= 2
+        wrong = [x for x in result.tolist() if abs(x - average) > 1e-3 * average]
+        if wrong:
+            return (f"error: {backend} does not average: {name}(op=AVG) of 1..{world_size} over {world_size} ranks "
+                    f"gave {wrong[0]:g}, not {average:g}, and training would take wrong gradients; {UPGRADE}")
+    return None
 
 def stop(message, rank):
     """End every rank with one error line, printed once: for an error that all ranks meet at the same point."""

@@ -441,12 +441,20 @@ def storage_bytes(tensors):
         seen[s.data_ptr(), s.device] = s.nbytes()
     return sum(seen.values())
 
+def on_device(t, device):
+    """Whether tensor t lives on device's type. False for a tensor that cannot say: the gc walk meets tensors that
+    torch itself holds, and some raise on .device (torch 2.8 and 2.9: "tensor does not have a device")."""
+    try:
+        return t.device.type == device.type
+    except Exception:  # any error: the scan counts what it can, it must never kill a rank
+        return False
+
 def live_tensor_bytes(device):
     """Every tensor storage Python can reach on `device`, each counted once."""
     with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    return storage_bytes(t for t in tensors if t.device.type == device.type)
+    return storage_bytes(t for t in tensors if on_device(t, device))
 
 @contextlib.contextmanager
 def native_stderr_without(patterns):
