@@ -129,7 +129,7 @@ class OffloadEngine:
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
             # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
-            self.param_shard[self._shard(b)] = self._own(b.param)
+            self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             self._free(b)
             # [/ZeRO-3]
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
@@ -174,11 +174,11 @@ class OffloadEngine:
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _own(self, flat):  # this rank's shard of a bucket-sized buffer
+    def _my_shard_of(self, flat):  # this rank's shard of a bucket-sized buffer
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    def _shard_range(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
@@ -189,12 +189,13 @@ class OffloadEngine:
             # [ZeRO-3 Offload] the shard comes up on the copy stream and the all-gather is issued there (NCCL waits for
             # the current stream): it waits for the copy, and compute only for the gather, at b.gather.wait()
             if self.args.offload_params:
-                shard = self.copies.copy(torch.empty_like(self._own(b.param)), self.param_shard[self._shard(b)])
+                shard = torch.empty_like(self._my_shard_of(b.param))  # on the device
+                self.copies.copy(shard, self.param_shard[self._shard_range(b)])
                 with torch.cuda.stream(self.copies.stream):  # (no stream, without CUDA: nothing)
                     b.gather = comm.all_gather(b.param, shard, async_op=True)
                 return
             # [/ZeRO-3 Offload]
-            b.gather = comm.all_gather(b.param, self.param_shard[self._shard(b)], async_op=True)
+            b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
     def _free(self, b):  # free bucket b's full parameters: the storage itself, which autograd's saved views share
         b.param.untyped_storage().resize_(0)
@@ -239,9 +240,9 @@ class OffloadEngine:
             self._free(b)
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
-            b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
+            b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             if self.grad_acc is not None and b.acc is None:  # a step's first micro-step: straight into grad_acc
-                b.reduced = self.grad_acc[self._shard(b)]
+                b.reduced = self.grad_acc[self._shard_range(b)]
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
@@ -253,7 +254,7 @@ class OffloadEngine:
         b.work.wait()
         b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)  # summed over the micro-steps, on the device
         if self.sync:
-            self.copies.copy(self.grad_shard[self._shard(b)], b.acc)
+            self.copies.copy(self.grad_shard[self._shard_range(b)], b.acc)
             b.acc = None
         b.grad = b.reduced = b.work = None
     # [/Offload]
@@ -304,7 +305,7 @@ class OffloadEngine:
         pass (the host has waited for staging's last copies, or for gradients queued after them)."""
         a = self.args
         for b in self.buckets:
-            sh = self._shard(b)
+            sh = self._shard_range(b)
             self.adam.adam_step(self.master[sh], grad_shard[sh], self.adam_m[sh], self.adam_v[sh], self.staging[sh],
                                 step, lr, a.beta1, a.beta2, 1e-8, a.weight_decay, coef)  # coef: clipping, in the pass
             if send:
@@ -332,7 +333,7 @@ class OffloadEngine:
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
         self.copies.host_waits(self.copies.event())  # every copy queued so far has landed: the gradient shard's too
-        lo, hi, at = self._piece(p)
+        lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
@@ -352,16 +353,16 @@ class OffloadEngine:
         # [/DPU]
         state, pieces = (self.master, self.adam_m, self.adam_v), []
         for name, p in trained(self.model):
-            lo, hi, at = self._piece(p)
+            lo, hi, at = self._piece_of(p)
             if lo < hi:  # this rank holds some of p
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from element `at` of its flat state
+    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
         b = self.bucket_of[p]
         s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
-        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
+        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
     def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
         self.adam_step = step

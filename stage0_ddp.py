@@ -129,12 +129,12 @@ class DDPEngine:
     def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
-            lo, hi, at = self._piece(p)
+            lo, hi, at = self._piece_of(p)
             if lo < hi:  # this rank holds some of p
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from element `at` of its flat state
+    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
         return 0, p.numel(), self.bucket_of[p].start + self.offset[p]  # all of p
 
     def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model

@@ -67,7 +67,7 @@ class ZeRO1Engine:
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
-        self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
+        self.master = torch.cat([self._my_shard_of(b.param) for b in self.buckets]).float()  # this rank's shard
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
         for p in params:
@@ -79,11 +79,11 @@ class ZeRO1Engine:
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _own(self, flat):  # this rank's shard of a bucket-sized buffer
+    def _my_shard_of(self, flat):  # this rank's shard of a bucket-sized buffer
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    def _shard_range(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
@@ -96,7 +96,8 @@ class ZeRO1Engine:
         b.waiting -= 1
         if b.waiting == 0 and self.sync:
             # [ZeRO-1] reduce-scatter the bucket (average) into this rank's slice of grad_shard, asynchronously
-            b.work = comm.reduce_scatter(self.grad_shard[self._shard(b)], b.grad, op=dist.ReduceOp.AVG, async_op=True)
+            shard = self.grad_shard[self._shard_range(b)]  # where this rank's part of the average goes
+            b.work = comm.reduce_scatter(shard, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             # [/ZeRO-1]
 
     def forward(self, *args, **kwargs):
@@ -119,7 +120,7 @@ class ZeRO1Engine:
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
-        norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
+        norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
@@ -128,11 +129,11 @@ class ZeRO1Engine:
                 b.grad.zero_()
             self.grad_shard = None
             return norm
-        self.optimizer.step(((self._shard(b), self.grad_shard[self._shard(b)].float().mul_(coef))
+        self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
                              for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
         # [/ZeRO-1]
         # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
-        works = [comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype), async_op=True)
+        works = [comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype), async_op=True)
                  for b in self.buckets]  # every rank's updated shard, cast, into every rank's model
         # [/ZeRO-1]
         for b, work in zip(self.buckets, works):
@@ -143,7 +144,7 @@ class ZeRO1Engine:
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
-        lo, hi, at = self._piece(p)
+        lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
@@ -153,21 +154,21 @@ class ZeRO1Engine:
     def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
-            lo, hi, at = self._piece(p)
+            lo, hi, at = self._piece_of(p)
             if lo < hi:  # this rank holds some of p
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from element `at` of its flat state
+    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
         b = self.bucket_of[p]
         s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
-        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
+        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
     def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
         self.optimizer.t = step
         for b in self.buckets:
-            comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype))
+            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))
 
 if __name__ == "__main__":
     main(ZeRO1Engine, stage="stage1")

@@ -67,7 +67,7 @@ class ZeRO2Engine:
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
-        self.master = torch.cat([self._own(b.param) for b in self.buckets]).float()  # fp32 master: this rank's shard
+        self.master = torch.cat([self._my_shard_of(b.param) for b in self.buckets]).float()  # this rank's shard
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
         # this rank's gradient shard (ZeRO-2's 2Ψ/N of gradients): every micro-step's reduce-scatter adds into it
@@ -83,11 +83,11 @@ class ZeRO2Engine:
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _own(self, flat):  # this rank's shard of a bucket-sized buffer
+    def _my_shard_of(self, flat):  # this rank's shard of a bucket-sized buffer
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    def _shard_range(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
@@ -104,7 +104,7 @@ class ZeRO2Engine:
         b.waiting -= 1
         if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
-            b.reduced = torch.empty_like(self._own(b.grad))  # this rank's part of the sum: its shard's size
+            b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
@@ -114,7 +114,7 @@ class ZeRO2Engine:
     # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
     def _release(self, b):  # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
         b.work.wait()
-        self.grad_shard[self._shard(b)] += b.reduced
+        self.grad_shard[self._shard_range(b)] += b.reduced
         b.grad = b.reduced = b.work = None
     # [/ZeRO-2]
 
@@ -135,18 +135,18 @@ class ZeRO2Engine:
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
-        norm = sum(sum_of_squares(self.grad_shard[self._shard(b)]) for b in self.buckets)  # this rank's shard
+        norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
             self.grad_shard.zero_()
             return norm
-        self.optimizer.step(((self._shard(b), self.grad_shard[self._shard(b)].float().mul_(coef))
+        self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
                              for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
         # [/ZeRO-1]
         # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
-        works = [comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype), async_op=True)
+        works = [comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype), async_op=True)
                  for b in self.buckets]  # every rank's updated shard, cast, into every rank's model
         # [/ZeRO-1]
         for work in works:
@@ -156,7 +156,7 @@ class ZeRO2Engine:
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
-        lo, hi, at = self._piece(p)
+        lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
@@ -166,21 +166,21 @@ class ZeRO2Engine:
     def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
         state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
-            lo, hi, at = self._piece(p)
+            lo, hi, at = self._piece_of(p)
             if lo < hi:  # this rank holds some of p
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from element `at` of its flat state
+    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
         b = self.bucket_of[p]
         s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
-        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard(b).start + lo - self.rank * s
+        return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
     def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
         self.optimizer.t = step
         for b in self.buckets:
-            comm.all_gather(b.param, self.master[self._shard(b)].to(b.param.dtype))
+            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))
 
 if __name__ == "__main__":
     main(ZeRO2Engine, stage="stage2")

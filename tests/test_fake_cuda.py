@@ -83,8 +83,8 @@ def refused(tmp_path, script, *args, grad_accum=1):
 def test_reduce_scatter_into_host_memory(tmp_path):
     """Offload's old mistake: the reduce-scatter's output allocated like the host's gradient shard (empty_like of a
     pinned host tensor: host memory, not even pinned). gloo runs it; NCCL cannot."""
-    script, line = changed(tmp_path, "offload.py", re.escape("b.reduced = torch.empty_like(self._own(b.grad))"),
-                           "b.reduced = torch.empty_like(self.grad_shard[self._shard(b)])")
+    script, line = changed(tmp_path, "offload.py", re.escape("b.reduced = torch.empty_like(self._my_shard_of(b.grad))"),
+                           "b.reduced = torch.empty_like(self.grad_shard[self._shard_range(b)])")
     found = refused(tmp_path, script)
     assert any(re.search(rf"reduce_scatter\w*: output cpu\[\d+\] \(made at offload\.py:{line}\), input cuda\[\d+\]", m)
                for m in found), "\n".join(found)
@@ -124,7 +124,7 @@ def test_host_sync_in_backward(tmp_path, name, pattern, new, expected):
 def test_parameters_come_up_beside_forward(tmp_path):
     """--offload_params: the compute stream waiting for the parameter shard's copy up (as the all-gather must) would
     serialise them; the audit records that wait, so the clean run's check above can fail."""
-    script, _ = changed(tmp_path, "offload.py", r"(shard = self\.copies\.copy\(.*\))",
+    script, _ = changed(tmp_path, "offload.py", r"(self\.copies\.copy\(shard, .*\))",
                         r"\1", "self.copies.compute_waits(self.copies.event())")
     job, reports = audit(tmp_path, script, "--offload_params", nproc=1)
     assert job.returncode == 0 and reports[0]["seen"].get("compute waits for another stream in forward"), output(job)

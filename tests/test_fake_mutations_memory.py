@@ -16,8 +16,8 @@ LEAK = ["--steps", "4"]  # the leak check compares what is allocated after each 
 # (id, file, the line's pattern, its replacement lines, extra options, the finding expected ({line}: the planted
 # line's number), the mistake, what catches it)
 BATTERY = [
-    ("host_device_by_like", "stage2.py", r"b\.reduced = torch\.empty_like\(self\._own\(b\.grad\)\)",
-     ['b.reduced = torch.empty_like(self._own(b.grad), device="cpu")'], [],
+    ("host_device_by_like", "stage2.py", r"b\.reduced = torch\.empty_like\(self\._my_shard_of\(b\.grad\)\)",
+     ['b.reduced = torch.empty_like(self._my_shard_of(b.grad), device="cpu")'], [],
      r"c10d reduce_scatter\w*: output cpu\[\d+\] \(made at stage2\.py:{line}\)",
      "the reduce-scatter's output made on the host by empty_like(..., device='cpu') of a GPU tensor",
      "placement by intent (the project named cpu), then NCCL's rule: a collective's tensors on this rank's GPU"),
@@ -49,7 +49,7 @@ BATTERY = [
      r"stage2\.py:{line} device memory leak: [\d.]+ KiB more allocated after step 3 than after step 2; "
      r"held: [\d.]+ KiB made at stage2\.py:{line}",
      "each step's gradient bucket kept in a list", "fake_memory's leak check: device memory grows step by step"),
-    ("leak_of_reduced_shards", "stage3.py", r"(b\.reduced = torch\.empty_like\(self\._own\(b\.grad\)\)).*",
+    ("leak_of_reduced_shards", "stage3.py", r"(b\.reduced = torch\.empty_like\(self\._my_shard_of\(b\.grad\)\)).*",
      [r"\1", "self.kept = getattr(self, 'kept', []) + [b.reduced]"], LEAK,
      r"stage3\.py:{line} device memory leak: .* made at stage3\.py:{line}",
      "each step's reduce-scatter output kept in a list", "fake_memory's leak check: device memory grows step by step"),
