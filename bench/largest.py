@@ -225,8 +225,8 @@ class Prober:
         return GPTConfig(block_size=o.block_size, vocab_size=len(self.data.chars), n_layer=depth, n_head=o.n_head, n_embd=o.n_embd)
 
     def probe(self, Engine, stage, depth):
-        """(fits, charged peak in bytes, limit, seconds): build the GPT of `depth` layers and train 2 steps. The peak and
-        the seconds are the most of any rank's, the verdict the worst: the same on every rank."""
+        """(fits, charged peak in bytes, limit, seconds): build the GPT of `depth` layers and train 2 steps. The peak
+        and the seconds are the most of any rank's, the verdict the worst: the same on every rank."""
         import torch
         import torch.distributed as dist
         from instruments import PeakMemory
@@ -263,8 +263,7 @@ class Prober:
                     if self.world_size > 1:  # the other ranks may wait in a collective this rank never joins
                         raise SystemExit(f"largest: rank {self.rank} ran out of device memory in {stage}'s engine or "
                                          f"steps at {depth} layers, where the other ranks may wait for it in a "
-                                         f"collective: the run stops. Lower --n_embd or --budget_mb, or probe at "
-                                         f"--world_sizes 1")
+                                         f"collective: the run stops (at --world_sizes 1 the error is a verdict)")
                     out_of_memory = True
         del model
         gc.collect()
