@@ -1,8 +1,8 @@
 """
 bench/largest.py: the ZeRO papers' headline, measured: the largest GPT each stage trains within a fixed memory per rank.
 
-    python bench/largest.py                    # every stage at N = 1, 2, 4 within 64 MiB per rank: minutes on 2 cores
-    python bench/largest.py --quick            # 24 MiB, GPTs 128 wide: under 3 minutes here (tests/test_largest.py)
+    python bench/largest.py                    # every stage at N = 1, 2, 4 within 64 MiB per rank
+    python bench/largest.py --quick            # 24 MiB, GPTs 128 wide (tests/test_largest.py)
     python bench/largest.py --budget_mb 8192 --n_embd 1024 --block_size 1024     # on GPUs
     python bench/largest.py --quick --checkpoint_activations --beside runs/largest/largest.json   # blocks checkpointed
     python bench/largest.py --from_json runs/largest/largest.json                # redraw the table and picture only
@@ -14,13 +14,21 @@ held at its peak, over the construction and both steps, stays within --budget_mb
 rank held before the model was built, after a warm-up (so cuBLAS's workspaces, 8-32 MiB each, are not charged): on a
 GPU the allocator's peak (torch.cuda.max_memory_allocated), run uncapped; on a CPU the peak of live tensor bytes
 (instruments.PeakMemory) less offload's host-resident states (train_gpt.host_categories and the staging buffer), which
-a GPU would not hold either. The ranks agree on each verdict (the worst rank's), so they probe the same depths.
+a GPU would not hold either.
 
-Running out of memory itself decides only at N = 1: with more ranks, one rank's out-of-memory error would leave the
-others in a collective it never joins, and NCCL would hang. So on a GPU at N > 1 a depth whose formula (model states
-and activations) needs more than the GPU has free is refused without running, as is, with offload, a depth whose host
-states need more host memory than the node has available (the kernel's out-of-memory killer, not an exception, is
-what meets that). Each row names the limit its search hit: device memory, host memory, or time (--probe_seconds).
+The ranks take every decision together, or one would enter a collective the others skip and wait there forever. What
+a rank reads alone is agreed once, before the first probe: the host memory available and the GPU's free memory (the
+least of any rank) and the activations measured (the most). Each probe ends at one all-reduce where every rank brings
+its charged peak, whether it ran out of memory, and the seconds it took; all leave with the worst of each, so all
+take the same verdict and time limit, and probe the same next depth. Building the GPT runs no collective: a rank that
+runs out of memory there says so at an all-reduce right after it, and every rank ends the probe ("does not fit").
+Inside the engine and its steps the others may already wait in a collective that rank will never join, and no
+agreement can reach them: at N > 1 that rank ends the run with one line (torch.multiprocessing then stops the
+others); at N = 1 the error is the verdict. So that this stays rare, on a GPU at N > 1 a depth whose formula (model
+states and activations) needs more than 90% of the GPU's free memory is refused without running, as is, with
+offload, a depth whose host states need more host memory than the node has available (the kernel's out-of-memory
+killer, not an exception, is what meets that). Each row names the limit its search hit: device memory, host memory,
+or time (--probe_seconds).
 
 "predicted" is the estimator: the paper's formula for the model states a rank keeps on the device
 (train_gpt.model_state_theory) plus the activations measured (what autograd saves for backward in one forward of the
@@ -30,8 +38,8 @@ besides: gradient buckets in flight and their fp32 copies at the step (stages 0-
 stage 3's working set (the units gathered at once), allocator-level transients. The search starts at the prediction
 and walks to the boundary (steps doubling, then bisection), so a good prediction costs few probes. Near the boundary a
 probe's peak can differ by a few hundred KiB between runs (when the collectives' asynchronous buffers are freed), so a
-result can move by a layer; for stages 1-2 at N > 1 on 2 shared cores by more (stage 2 at N = 2, 9 layers of 128,
-bf16: 23.9 to 29.1 MiB over four runs on the AMD EPYC Zen 5), so their rows can move by two or three.
+result can move by a layer; for stages 1-2 at N > 1 on shared cores by more, so their rows can move
+by two or three.
 
 --checkpoint_activations builds every GPT with the switch (train_gpt.GPT: each block under torch.utils.checkpoint),
 as train_gpt's option of the same name does; its results go to runs/largest_checkpointed/ unless --out_dir says.
@@ -126,10 +134,11 @@ def host_available():
 
 class Prober:
     """Builds and trains GPTs of growing depth on this rank, as every rank does in step: all ranks probe the same depth
-    and agree on whether it fit (the smallest verdict wins)."""
+    and agree on whether it fit (the worst rank's verdict wins)."""
 
     def __init__(self, opts, rank, world_size, device):
         import torch
+        import torch.distributed as dist
         from devices import from_rank0, pick_dtype
         from train_gpt import CharData, load_text
         self.opts, self.rank, self.world_size, self.device = opts, rank, world_size, device
@@ -146,6 +155,26 @@ class Prober:
             print(f"N={world_size}: {self.dtype_name} ({why})", flush=True)
         self.device_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         self.warm_up()
+        self.act = {ckpt: self.saved_bytes(ckpt) for ckpt in {False, opts.checkpoint_activations}}
+        # each rank read these alone; the searches decide from them (the first depth, a depth refused unrun), so every
+        # rank must hold the same: the least memory any rank has, the most activations any rank measured
+        inf = float("inf")  # (no reading: no limit)
+        least = self.agree([inf if self.host_budget is None else self.host_budget,
+                            inf if self.device_free is None else self.device_free], dist.ReduceOp.MIN)
+        self.host_budget = least[0] if least[0] < inf else None
+        self.device_free = least[1] if least[1] < inf else None
+        keys = sorted(self.act)  # [False], or [False, True] with --checkpoint_activations
+        most = self.agree([b for k in keys for b in self.act[k]], dist.ReduceOp.MAX)
+        self.act = {k: [int(most[2 * i]), int(most[2 * i + 1])] for i, k in enumerate(keys)}
+
+    def agree(self, values, op):
+        """`values` reduced over the ranks with `op` (dist.ReduceOp.MIN or MAX): the same numbers on every rank. Every
+        rank must call it at the same point, with as many values."""
+        import torch
+        import torch.distributed as dist
+        numbers = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(numbers, op=op)
+        return numbers.tolist()
 
     def warm_up(self):
         """One forward and backward of a one-layer GPT of this width: what a first matmul allocates for good (cuBLAS's
@@ -169,8 +198,6 @@ class Prober:
         layers: linear in depth (every block saves alike), so measured once, at depths 1 and 2, on a plain GPT. With
         --checkpoint_activations, what it keeps then (each block's input, saved by the checkpoint) plus one block's
         activations (the plain GPT's per block), which a block's recompute makes again during its backward."""
-        if not hasattr(self, "act"):
-            self.act = {ckpt: self.saved_bytes(ckpt) for ckpt in {False, self.opts.checkpoint_activations}}
         kept = self.act[self.opts.checkpoint_activations]
         one_block = (self.act[False][1] - self.act[False][0]) * self.opts.checkpoint_activations
         return kept[0] + (depth - 1) * (kept[1] - kept[0]) + one_block
@@ -198,56 +225,78 @@ class Prober:
         return GPTConfig(block_size=o.block_size, vocab_size=len(self.data.chars), n_layer=depth, n_head=o.n_head, n_embd=o.n_embd)
 
     def probe(self, Engine, stage, depth):
-        """(fits, charged peak in bytes, the most of any rank's): build the GPT of `depth` layers and train 2 steps."""
+        """(fits, charged peak in bytes, limit, seconds): build the GPT of `depth` layers and train 2 steps. The peak
+        and the seconds are the most of any rank's, the verdict the worst: the same on every rank."""
         import torch
         import torch.distributed as dist
-        from instruments import PeakMemory, storage_bytes
+        from instruments import PeakMemory
         from options import parse_args
-        from train_gpt import GPTConfig, PRESETS, build_model, host_categories, train_step
+        from train_gpt import GPTConfig, PRESETS, build_model
         args = parse_args(Engine, PRESETS, GPTConfig, ["--dtype", self.dtype_name, "--steps", "2", "--warmup", "1",
                                                        "--batch_size", str(self.opts.micro_batch * self.world_size),
                                                        *FLAGS.get(stage, [])])
-        base_stage, offload_params = engine_stage(stage)
         param_bytes, cuda = 4 if self.dtype_name == "fp32" else 2, self.device.type == "cuda"
         limit = refused(cuda, self.world_size, host_states(stage, self.params(depth), self.world_size, param_bytes, cuda),
                         self.host_budget, device_states(stage, self.params(depth), self.world_size, param_bytes)
                         + self.activations(depth), self.device_free)
-        if limit:  # every rank computes the same verdict from the formula: no collective needed
-            return False, 0, limit
+        if limit:  # every rank computes the same verdict from the same (agreed) numbers: no collective needed
+            return False, 0, limit, 0.0
+        t0 = time.perf_counter()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        model = engine = None
+        model = None
         out_of_memory, host = False, 0
-        try:
-            with PeakMemory(self.device) as meter:
+        with PeakMemory(self.device) as meter:
+            try:
                 torch.manual_seed(args.seed + self.rank)
                 model = build_model(Engine, self.config(depth), self.device, self.dtype,
                                     self.opts.checkpoint_activations)
-                with contextlib.redirect_stdout(io.StringIO()) if self.said.get(stage) else contextlib.nullcontext():
-                    engine = Engine(model, args, self.device)  # (what an engine prints, such as offload's cpu_adam line: once)
-                self.said[stage] = True
-                for step in range(2):
-                    train_step(engine, self.data, args, step, self.device)
-                if self.device.type == "cpu":  # offload's host-resident states: host memory, not the device's
-                    states = engine.model_states()
-                    host = storage_bytes([t for k in host_categories(base_stage, offload_params) for t in states[k]]
-                                         + [getattr(engine, "staging", None)] * (base_stage == "offload"))
-        except torch.OutOfMemoryError:
-            out_of_memory = True
-        del model, engine
+            except torch.OutOfMemoryError:
+                out_of_memory = True
+            # building ran no collective, so every rank meets here: if one ran out of memory, all end the probe
+            out_of_memory = self.agree([out_of_memory], dist.ReduceOp.MAX)[0] > 0
+            if not out_of_memory:
+                try:
+                    host = self.train(Engine, stage, model, args)
+                except torch.OutOfMemoryError:
+                    if self.world_size > 1:  # the other ranks may wait in a collective this rank never joins
+                        raise SystemExit(f"largest: rank {self.rank} ran out of device memory in {stage}'s engine or "
+                                         f"steps at {depth} layers, where the other ranks may wait for it in a "
+                                         f"collective: the run stops (at --world_sizes 1 the error is a verdict)")
+                    out_of_memory = True
+        del model
         gc.collect()
         if self.device.type == "cuda":  # give back the pinned-memory cache too, which keeps freed blocks for reuse
             torch.cuda.empty_cache()
             getattr(torch._C, "_host_emptyCache", lambda: None)()
         charged = meter.peak - meter.base - host
-        # every rank must take the same decisions (the next depth to probe), or their collectives would not match: the
-        # verdict and the bytes are the worst rank's
-        worst = torch.tensor([charged, int(out_of_memory)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        charged, out_of_memory = int(worst[0]), bool(worst[1])
+        seconds = time.perf_counter() - t0
+        # every rank must take the same decisions (the verdict, the time limit, the next depth to probe), or their
+        # collectives would not match: the bytes, the verdict and the seconds are the worst rank's
+        worst = self.agree([charged, out_of_memory, seconds], dist.ReduceOp.MAX)
+        charged = int(worst[0])
+        out_of_memory = worst[1] > 0
+        seconds = worst[2]
         fits = not out_of_memory and charged <= self.budget
-        return fits, charged, None if fits else "device memory"
+        return fits, charged, None if fits else "device memory", seconds
+
+    def train(self, Engine, stage, model, args):
+        """The stage's engine around `model`, trained 2 steps; on a CPU, the bytes of offload's host-resident states
+        it then holds (host memory, not the device's), else 0."""
+        from instruments import storage_bytes
+        from train_gpt import host_categories, train_step
+        with contextlib.redirect_stdout(io.StringIO()) if self.said.get(stage) else contextlib.nullcontext():
+            engine = Engine(model, args, self.device)  # (what an engine prints, such as offload's cpu_adam line: once)
+        self.said[stage] = True
+        for step in range(2):
+            train_step(engine, self.data, args, step, self.device)
+        if self.device.type != "cpu":
+            return 0
+        base_stage, offload_params = engine_stage(stage)
+        states = engine.model_states()
+        return storage_bytes([t for k in host_categories(base_stage, offload_params) for t in states[k]]
+                             + [getattr(engine, "staging", None)] * (base_stage == "offload"))
 
     def search(self, stage):
         """The largest depth that fits, and the estimator's: a row of the table."""
@@ -258,9 +307,7 @@ class Prober:
 
         def fits(depth):
             if depth not in seen:
-                t0 = time.perf_counter()
-                ok, charged, limit = self.probe(Engine, stage, depth)
-                seconds = time.perf_counter() - t0
+                ok, charged, limit, seconds = self.probe(Engine, stage, depth)
                 if ok and self.opts.probe_seconds and seconds > self.opts.probe_seconds:
                     limits["time"] = depth  # it fits, but deeper probes would take longer still: the search stops here
                 seen[depth] = ok, charged, limit
@@ -322,12 +369,17 @@ def worker(local_rank, world_size, port, opts, out):
 
 
 def run_world(world_size, opts):
-    """Start N ranks (one per GPU with CUDA), each searching every stage; return rank 0's rows."""
+    """Start N ranks (one per GPU with CUDA), each searching every stage; return rank 0's rows. A rank that exits
+    (with its own line) stops the others, and the run."""
     import torch.multiprocessing as mp
     from devices import free_port
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.start_processes(worker, args=(world_size, free_port(), opts, out), nprocs=world_size, start_method="spawn")
+        try:
+            mp.start_processes(worker, args=(world_size, free_port(), opts, out), nprocs=world_size,
+                               start_method="spawn")
+        except mp.ProcessExitedException as e:
+            raise SystemExit(f"largest: N={world_size} stopped: {e}")
         return json.loads(Path(out).read_text())
 
 
