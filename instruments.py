@@ -595,7 +595,7 @@ def log_due(step, end, args):
     """Does log() show this step's loss? Every max(1, steps // 10)th step and the last: main reads the losses then."""
     return step + 1 == end or (step + 1) % max(1, args.steps // 10) == 0
 
-def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak, scaler=None, skipped=False):
+def log(bar, rank, stage, step, *, end, args, loss, tokens, step_times, peak, scaler=None, skipped=False):
     """Rank 0's word on a step: at the steps log_due names (loss: a float there, None elsewhere), the bar's figures
     (closed after the last step), or else a line. tokens: a step's, timed by the last of step_times (a step measured or
     profiled is not timed). scaler: fp16's loss scaler's state (vars), whose scale and skipped steps the figures show;
@@ -617,7 +617,7 @@ def log(bar, rank, stage, step, end, args, loss, tokens, step_times, peak, scale
         scaling = f", loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if fp16 else ""
         print(f"{stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s{scaling}", flush=True)
 
-def summarize(stage, args, cfg, data, engine, history, measured, step_times, th, start, end, world_size, device):
+def summarize(stage, args, cfg, *, data, engine, history, measured, step_times, th, start, end, world_size, device):
     """The run's JSON summary (--out): losses, speed, and every ledger beside its formula; rank 0's, and every rank's
     model states and peak."""
     timed = sorted(step_times[1:] or step_times)  # the first step warms up
@@ -669,7 +669,7 @@ def report(summary, th):
         print(f"pinned host memory {s['pinned_host_bytes']['measured'] / 2**20:.2f} MiB (theory {th['pinned'] / 2**20:.2f}: "
               f"PyTorch rounds each pinned allocation up to a power of two)")
 
-def finish(summary, th, args, engine, end, ckpt_dir, device, distributed, sample):
+def finish(summary, th, args, *, engine, end, ckpt_dir, device, distributed, sample):
     """The end of a run: the report and the files asked for (rank 0), and every rank's orderly exit. sample(master):
     the text the GPT writes with the final fp32 weights."""
     stage, stopped, rank = summary["stage"], end < args.steps, dist.get_rank() if distributed else 0

@@ -273,8 +273,12 @@ class LossScaler:
     coefficient. An overflow (a non-finite norm) skips the step and halves the scale, `window` steps in a row without
     one double it, one at the `floor` stops the run. Off (scale 1) in bf16 and fp32: fp32's range."""
     def __init__(self, enabled=False, scale=2.0**16, window=1000, floor=1.0):
-        self.enabled, self.scale, self.window, self.floor = enabled, scale if enabled else 1.0, window, floor
-        self.good_steps = self.skipped = 0  # steps since the last overflow; steps skipped in all. (Its state: vars().)
+        self.enabled = enabled  # its state is vars(self): the run's summary and checkpoints keep it
+        self.scale = scale if enabled else 1.0
+        self.window = window
+        self.floor = floor
+        self.good_steps = 0  # steps since the last overflow
+        self.skipped = 0  # steps skipped in all
 
     def update(self, finite):
         """Once a step, by clip_coef, on every rank alike (the norm it reads is global)."""
@@ -467,18 +471,20 @@ def main(Engine, stage, distributed=True, formula=None):
             unread.clear()
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             history["val_losses"].append((step + 1, evaluate(engine, data, args, device)))
-        log(bar, rank, stage, step, end, args, history["losses"][-1] if logged else None,
-            args.batch_size * cfg.block_size, step_times, measured["peak"], vars(scaler),
-            scaler.skipped > skips)
+        log(bar, rank, stage, step, end=end, args=args, loss=history["losses"][-1] if logged else None,
+            tokens=args.batch_size * cfg.block_size, step_times=step_times, peak=measured["peak"],
+            scaler=vars(scaler), skipped=scaler.skipped > skips)
         if saving:
             meta = dict(stage=stage, config=vars(cfg), chars="".join(data.chars), **history,
                         params={n: list(p.shape) for n, p in trained(model)}, loss_scaler=vars(scaler))
             save_checkpoint(ckpt_dir, engine, step + 1, meta, device)
 
-    summary = summarize(stage, args, cfg, data, engine, history, measured, step_times, th, start, end, world_size,
-                        device) | dict(loss_scaler=vars(scaler))
-    finish(summary, th, args, engine, end, ckpt_dir, device, distributed,  # the report, the files asked for, the exit
-           lambda master: sample_text(dict(config=vars(cfg), chars=data.chars, state_dict=master), args, device))
+    summary = summarize(stage, args, cfg, data=data, engine=engine, history=history, measured=measured,
+                        step_times=step_times, th=th, start=start, end=end, world_size=world_size, device=device)
+    summary["loss_scaler"] = vars(scaler)
+    finish(summary, th, args, engine=engine, end=end, ckpt_dir=ckpt_dir, device=device, distributed=distributed,
+           sample=lambda master: sample_text(dict(config=vars(cfg), chars=data.chars, state_dict=master), args, device))
+    # (finish: the report, the files asked for, the exit)
 
 if __name__ == "__main__":
     main(SingleDeviceEngine, stage="reference", distributed=False)
