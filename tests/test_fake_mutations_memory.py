@@ -21,7 +21,7 @@ BATTERY = [
      r"c10d reduce_scatter\w*: output cpu\[\d+\] \(made at stage2\.py:{line}\)",
      "the reduce-scatter's output made on the host by empty_like(..., device='cpu') of a GPU tensor",
      "placement by intent (the project named cpu), then NCCL's rule: a collective's tensors on this rank's GPU"),
-    ("dropped_to_device", "offload.py", r"(norm = sum\(sum_of_squares.*\))\.to\(self\.device\)", [r"\1"], [],
+    ("dropped_to_device", "offload.py", r"(norm = torch\.tensor\(.*\))\.to\(self\.device\)", [r"\1"], [],
      r"offload\.py:{next} .*c10d all_reduce: tensor cpu\[1\]",
      "the norm of the host's gradient shard all-reduced without its .to(self.device)",
      "NCCL's rule: the all-reduce's tensor is on the host"),
