@@ -48,7 +48,8 @@ class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
-            exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator)
+            exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
+            tensor=torch.tensor)
 
 
 def tag(t):
@@ -245,6 +246,13 @@ def to(self, *args, **kwargs):
     return during("move", True, real["to"])(self, device=device, dtype=dtype, non_blocking=non_blocking,
                                             copy=copy or device is not None, memory_format=fmt or torch.preserve_format)
 
+def tensor(data, *args, device=None, **kwargs):
+    """torch.tensor from Python data: on a GPU, made on the host and copied up (as torch does, blocking), since its
+    C++ builds a GPU tensor below the dispatcher, where the mode cannot serve it."""
+    if device is not None and torch.device(device).type == "cuda":
+        return real["tensor"](data, *args, **kwargs).to(device)
+    return real["tensor"](data, *args, device=device, **kwargs)
+
 def tolist(t, real_tolist=torch.Tensor.tolist):
     """Tensor.tolist reads the values where they are, below the dispatcher: of a GPU tensor, a host sync."""
     if not host(t):
@@ -393,6 +401,7 @@ def install():
     torch.Tensor.is_cuda = property(lambda t: not host(t))
     torch.Tensor.to = to
     torch.Tensor.tolist = tolist
+    torch.tensor = tensor
     torch.Tensor.record_stream = record_stream
     torch.Tensor.cpu = lambda t, memory_format=torch.preserve_format: t.to("cpu", memory_format=memory_format)
     torch.Tensor.cuda = lambda t, device=None, non_blocking=False, **kwargs: t.to(
