@@ -75,11 +75,12 @@ def run_one(stage, nproc, train_args, out_dir):
         out.unlink()  # never report a stale run as this one
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / SCRIPTS[stage]), *train_args, "--out", str(out)]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # the caller's kept, after ours
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
     dt = time.perf_counter() - t0
     if out.exists():
         note = "" if p.returncode == 0 else f" (exit code {p.returncode} after writing its summary; see {log})"

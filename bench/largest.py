@@ -289,14 +289,21 @@ class Prober:
         with contextlib.redirect_stdout(io.StringIO()) if self.said.get(stage) else contextlib.nullcontext():
             engine = Engine(model, args, self.device)  # (what an engine prints, such as offload's cpu_adam line: once)
         self.said[stage] = True
-        for step in range(2):
-            train_step(engine, self.data, args, step, self.device)
-        if self.device.type != "cpu":
-            return 0
-        base_stage, offload_params = engine_stage(stage)
-        states = engine.model_states()
-        return storage_bytes([t for k in host_categories(base_stage, offload_params) for t in states[k]]
-                             + [getattr(engine, "staging", None)] * (base_stage == "offload"))
+        host = 0
+        try:
+            for step in range(2):
+                train_step(engine, self.data, args, step, self.device)
+            if self.device.type == "cpu":
+                base_stage, offload_params = engine_stage(stage)
+                states = engine.model_states()
+                host = storage_bytes([t for k in host_categories(base_stage, offload_params) for t in states[k]]
+                                     + [getattr(engine, "staging", None)] * (base_stage == "offload"))
+        finally:
+            # the engine's gradient hooks on its parameters hold the engine, a cycle torch's collector never frees (it
+            # passes through the parameters' C++ side): the engine, with every buffer and state it holds, would stay
+            # on the device through every later probe, which would run out of memory early. It lets go of all here.
+            vars(engine).clear()
+        return host
 
     def search(self, stage):
         """The largest depth that fits, and the estimator's: a row of the table."""

@@ -59,7 +59,8 @@ def run(script, nproc, stage_args, out_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
            *DEFAULTS, *stage_args, "--out", str(out_dir / "run.json")]
     cmd += ["--timeline", str(out_dir)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # the caller's kept, after ours
+    env = dict(os.environ, PYTHONPATH=path)
     with open(out_dir / "run.log", "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()

@@ -27,7 +27,7 @@ allocation raises OutOfMemoryError, and a leak (device memory that grows from st
 that made what is held. A device the project names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives,
 whatever its inputs' device.
 """
-import collections, contextlib, inspect, json, os, runpy, sys, threading, traceback, types, weakref
+import collections, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback, types, weakref
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,8 @@ class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
-            exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator)
+            exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
+            tensor=torch.tensor)
 
 
 def tag(t):
@@ -203,6 +204,7 @@ class Event:
         self.id = streams.new_id()
     def record(self, stream=None):
         self.stream = stream or current_stream()
+        self.at = time.perf_counter()  # (the fake device runs each op as the host queues it: the host's clock)
         streams.record(self.id, self.stream.id)
         return self
     def wait(self, stream=None):
@@ -210,7 +212,9 @@ class Event:
     def synchronize(self):
         host_sync("synchronize()")
         streams.host_waits_for_event(self.id)
-    query, elapsed_time = lambda self: True, lambda self, other: 0.0
+    query = lambda self: True
+    def elapsed_time(self, other):
+        return (other.at - self.at) * 1e3
 
 def synchronize(device=None):
     host_sync("synchronize()")
@@ -244,6 +248,13 @@ def to(self, *args, **kwargs):
     device = None if device == self.device else device
     return during("move", True, real["to"])(self, device=device, dtype=dtype, non_blocking=non_blocking,
                                             copy=copy or device is not None, memory_format=fmt or torch.preserve_format)
+
+def tensor(data, *args, device=None, **kwargs):
+    """torch.tensor from Python data: on a GPU, made on the host and copied up (as torch does, blocking), since its
+    C++ builds a GPU tensor below the dispatcher, where the mode cannot serve it."""
+    if device is not None and torch.device(device).type == "cuda":
+        return real["tensor"](data, *args, **kwargs).to(device)
+    return real["tensor"](data, *args, device=device, **kwargs)
 
 def tolist(t, real_tolist=torch.Tensor.tolist):
     """Tensor.tolist reads the values where they are, below the dispatcher: of a GPU tensor, a host sync."""
@@ -324,6 +335,7 @@ def checked_engine(Engine):
     step = Engine.step
     def leak_checked(engine, *args, **kwargs):  # device memory allocated after each step, against the step before
         out = step(engine, *args, **kwargs)
+        gc.collect()  # what only the cycle collector frees (a step's temporaries in a cycle) is garbage, not a leak
         leak = fake_memory.after_step(state.device)
         if leak:
             findings[f"{leak[0]} {leak[1]}"] += 1
@@ -363,11 +375,35 @@ def host_generator(sample_text):
 
 def host_profile(profile):
     """torch.profiler.profile without ProfilerActivity.CUDA (--profile on the device): a CPU build of torch records
-    no CUDA activity, and asked to, warns with a stack trace at every op; the fake device's ops are the host's."""
+    no CUDA activity, and asked to, warns with a stack trace at every op; the fake device's ops are the host's. Asked
+    for CUDA activity, its Chrome trace also holds what a GPU's would: each innermost op of the threads as a kernel
+    on the compute stream, launched (a cudaLaunchKernel, by correlation id) where it ran."""
     def profiled(activities=None, **kwargs):
-        return profile(activities=[a for a in activities or [] if a != torch.profiler.ProfilerActivity.CUDA] or None,
+        cuda = torch.profiler.ProfilerActivity.CUDA in (activities or [])
+        prof = profile(activities=[a for a in activities or [] if a != torch.profiler.ProfilerActivity.CUDA] or None,
                        **kwargs)
+        if cuda:
+            export = prof.export_chrome_trace
+            prof.export_chrome_trace = lambda path: export(path) or with_kernels(path)
+        return prof
     return profiled
+
+def with_kernels(path):
+    """The Chrome trace at `path`, each innermost CPU op given a kernel on the compute stream and its launch."""
+    with open(path) as f:
+        trace = json.load(f)
+    ops = sorted((e for e in trace["traceEvents"] if e.get("cat") == "cpu_op"), key=lambda e: (e["tid"], e["ts"]))
+    added = []
+    for i, e in enumerate(ops):
+        after = ops[i + 1] if i + 1 < len(ops) else None
+        if after and after["tid"] == e["tid"] and after["ts"] < e["ts"] + e["dur"]:
+            continue  # an op inside it: the innermost ops are the kernels
+        args = {"correlation": len(added) + 1, "stream": fake_streams.csan.DEFAULT_STREAM_ID}
+        added.append(dict(e, cat="cuda_runtime", name="cudaLaunchKernel", dur=0, args=args))
+        added.append(dict(e, cat="kernel", args=args))
+    trace["traceEvents"] += added
+    with open(path, "w") as f:
+        json.dump(trace, f)
 
 def install():
     none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
@@ -393,6 +429,7 @@ def install():
     torch.Tensor.is_cuda = property(lambda t: not host(t))
     torch.Tensor.to = to
     torch.Tensor.tolist = tolist
+    torch.tensor = tensor
     torch.Tensor.record_stream = record_stream
     torch.Tensor.cpu = lambda t, memory_format=torch.preserve_format: t.to("cpu", memory_format=memory_format)
     torch.Tensor.cuda = lambda t, device=None, non_blocking=False, **kwargs: t.to(

@@ -1,0 +1,96 @@
+"""The bench scripts on the fake CUDA device (tests/fake_cuda.py), on this CPU machine: bench/largest.py --quick and
+bench/compare.py at N = 2, as a GPU owner runs them (--device cuda), each stage process they start on the fake device
+(tests/fake_cuda_site/sitecustomize.py installs it in every Python process that runs a script, FAKE_CUDA=2 GPUs). Each
+ends with exit code 0 and its table, and no process reports a finding: every op's tensors on one device, every
+collective's on the GPU and the same on both ranks, no host sync in a batch's copy up, no stream-order mistake, no
+device memory past a rank's budget (FAKE_CUDA_FREE_BYTES). bench/largest.py also with one rank's free memory far
+below the other's: the ranks agree on every decision (a collective that differs between them is a finding) and the
+search ends with its row. No assertion depends on the CPU: no timing, no numbers beyond the rows' agreement."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, last_lines
+
+SITE = str(ROOT / "tests" / "fake_cuda_site")
+
+
+def on_fake_cuda(tmp_path, script, *args, free_bytes=None):
+    """`python script args` with the fake device in it and in every process it starts; (the finished process, each
+    process's report: {path under the findings folder: report})."""
+    findings = tmp_path / "findings"
+    env = dict(os.environ, FAKE_CUDA="2", FAKE_CUDA_FINDINGS=str(findings),
+               PYTHONPATH=os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p))
+    env.pop("FAKE_CUDA_FREE_BYTES", None)
+    if free_bytes:
+        env["FAKE_CUDA_FREE_BYTES"] = free_bytes
+    p = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=300)
+    reports = {str(f.relative_to(findings)): json.loads(f.read_text()) for f in findings.rglob("rank*.json")}
+    return p, reports
+
+
+def check(p, reports, ranks):
+    """Exit 0, no finding in any process, and `ranks` processes that ran collectives (each stage's ranks)."""
+    output = "\n".join(last_lines(p.stdout + p.stderr, 30))
+    refused = [f"{path}: {m}" for path, r in reports.items() for m in r["findings"]]
+    assert not refused, "CUDA would refuse:\n" + "\n".join(refused) + "\n" + output
+    assert p.returncode == 0, f"exit code {p.returncode}:\n{output}"
+    ran = [path for path, r in reports.items() if r["seen"].get("collectives")]
+    assert len(ran) == ranks, f"{len(ran)} processes ran on the fake device, not {ranks}: {sorted(reports)}"
+
+
+def test_largest_quick_at_n2(tmp_path):
+    """Every stage's search at N = 2 (--quick's width, within half its budget: fewer layers to probe)."""
+    out = tmp_path / "out"
+    p, reports = on_fake_cuda(tmp_path, "bench/largest.py", "--quick", "--budget_mb", "12", "--world_sizes", "2",
+                              "--device", "cuda", "--out_dir", str(out))
+    check(p, reports, ranks=2)
+    rows = json.loads((out / "largest.json").read_text())["rows"]
+    assert [(r["stage"], r["device"]) for r in rows] == [(s, "cuda") for s in
+                                                         ("stage0", "stage1", "stage2", "stage3", "offload")], rows
+    assert all(r["largest_layers"] > 0 for r in rows), rows
+    assert (out / "table.md").exists()
+
+
+def test_largest_with_one_rank_short_of_memory(tmp_path):
+    """Rank 1 has 38 MiB free, rank 0 56 GiB: the ranks take the lower reading and every verdict together, and the
+    search ends with its row. Each probe's engine must be let go of before the next: held (its gradient hooks keep it
+    alive), a probe that no longer fits leaves its states on rank 1, whose next, smaller probe then runs out of memory
+    in the engine, where rank 0 waits for it in a collective, and the run stops."""
+    out = tmp_path / "out"
+    p, reports = on_fake_cuda(tmp_path, "bench/largest.py", "--quick", "--world_sizes", "2", "--stages", "stage3",
+                              "--device", "cuda", "--out_dir", str(out), free_bytes="6e10,4e7")
+    check(p, reports, ranks=2)
+    rows = json.loads((out / "largest.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["largest_layers"] > 0, rows
+
+
+def test_compare_at_n2(tmp_path):
+    """Every stage at N = 2 on a 2-layer GPT, 3 steps (its smallest run), --device cuda passed to every run."""
+    out = tmp_path / "out"
+    p, reports = on_fake_cuda(tmp_path, "bench/compare.py", "--nproc", "2", "--steps", "3", "--n_layer", "2",
+                              "--out_dir", str(out), "--", "--device", "cuda")
+    check(p, reports, ranks=2 * 5)
+    assert "| offload | 2 |" in (out / "table.md").read_text()
+    for stage in ("stage0", "stage1", "stage2", "stage3", "offload"):
+        assert json.loads((out / f"{stage}_n2.json").read_text())["device"] == "cuda", stage
+
+
+@pytest.mark.parametrize("script", ["stage3.py", "offload.py"])
+def test_timeline_at_n2(tmp_path, script):
+    """One traced step of stage 3 (gathers in flight under compute) and of offload (its copies and C++ AdamW) at
+    N = 2, on a 2-layer GPT, 3 steps: on the device the compute row is the compute stream's kernels (the fake device's
+    profiler trace holds each innermost op as one) and the times are CUDA events'."""
+    out = tmp_path / "out"
+    p, reports = on_fake_cuda(tmp_path, "bench/timeline.py", str(ROOT / script), "--nproc", "2", "--preset", "tiny",
+                              "--n_layer", "2", "--steps", "3", "--device", "cuda", "--out", str(out))
+    check(p, reports, ranks=2)
+    trace = json.loads((out / "trace.json").read_text())
+    for rank in (0, 1):
+        names = {e["name"].split()[0] for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == rank}
+        assert {"forward", "backward", "all_gather"} <= names, f"rank {rank}'s timeline: {sorted(names)}"
+    assert (out / "timeline.png").exists() and "overlapped by compute" in p.stdout
