@@ -442,11 +442,16 @@ def main(Engine, stage, distributed=True, formula=None):
     if manifest:  # this rank's state, the step (and fp16's loss scale) from the checkpoint
         start = load_checkpoint(where, manifest, engine, device, stage, scaler)
     measure_step = start if start else min(1, end - 1)  # step 0 creates Adam's moments; step 1 is the steady state
-    profile_step = measure_step + 1 if measure_step + 1 < end else measure_step - 1  # (a step the meter leaves alone)
+    # --profile's step: one no other profiler watches (on a CPU the memory meter's, on a GPU --timeline's, the last)
+    watched = {measure_step} if device.type == "cpu" else {end - 1} if args.timeline else set()
+    unwatched = [s for s in (measure_step + 1, measure_step - 1, measure_step) if start <= s < end and s not in watched]
+    profile_step = unwatched[0]  # (a run with --profile trains 2 steps or more: one of them is unwatched)
     measured, step_times, bar = dict(peak=0), [], progress(range(start, end), start, args, rank)
     unread = []  # (loss, grad norm) tensors of the steps since the history was last read
     for step in bar:
-        t0, measuring, profiled = time.perf_counter(), step == measure_step, args.profile and step == profile_step
+        t0 = time.perf_counter()
+        measuring = step == measure_step
+        profiled = args.profile and step == profile_step
         comm.sent.clear()
         skips = scaler.skipped  # the steps fp16's scaler has skipped: if this step adds one, it was skipped
         try:
