@@ -66,10 +66,12 @@ def blank_region(indent, tag, todo, body):
     return out
 
 
-def make_exercise(source, tags):
-    lines, out, i = source.splitlines(), [], 0
+def replace_regions(lines, tags, replace):
+    """lines, with each region fenced by `# [TAG] ...` and `# [/TAG]` for a TAG in `tags` (the fences included)
+    replaced by replace(match of its opening fence, the lines between the fences)."""
+    out, i = [], 0
     while i < len(lines):
-        m = BEGIN.match(lines[i])
+        m = BEGIN.match(lines[i].rstrip("\n"))
         if not m or m.group("tag") not in tags:
             out.append(lines[i])
             i += 1
@@ -79,9 +81,15 @@ def make_exercise(source, tags):
             j += 1
         if j == len(lines):
             raise SystemExit(f"error: line {i + 1}: `# [{m.group('tag')}]` has no closing `# [/{m.group('tag')}]`")
-        out += blank_region(m.group("indent"), m.group("tag"), m.group("todo"), lines[i + 1:j])
+        out += replace(m, lines[i + 1:j])
         i = j + 1
-    return "\n".join(out) + "\n"
+    return out
+
+
+def make_exercise(source, tags):
+    def blank(m, body):
+        return blank_region(m.group("indent"), m.group("tag"), m.group("todo"), body)
+    return "\n".join(replace_regions(source.splitlines(), tags, blank)) + "\n"
 
 
 def main(argv=None):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "course"))
-from make_exercise import BEGIN, END  # noqa: E402
+from make_exercise import replace_regions  # noqa: E402
 
 # (lesson, the step before, the step after, the idea). A step is a file, less the regions of the ideas after " - ".
 LESSONS = [
@@ -39,20 +39,7 @@ LESSONS = [
 
 def without(source, tags):
     """source less every region fenced with one of `tags` (the fences too)."""
-    lines, out, i = source.splitlines(keepends=True), [], 0
-    while i < len(lines):
-        m = BEGIN.match(lines[i].rstrip("\n"))
-        if not m or m.group("tag") not in tags:
-            out.append(lines[i])
-            i += 1
-            continue
-        j = i + 1
-        while j < len(lines) and not ((e := END.match(lines[j])) and e.group("tag") == m.group("tag")):
-            j += 1
-        if j == len(lines):
-            raise SystemExit(f"error: line {i + 1}: `# [{m.group('tag')}]` has no closing `# [/{m.group('tag')}]`")
-        i = j + 1
-    return "".join(out)
+    return "".join(replace_regions(source.splitlines(keepends=True), tags, lambda match, body: []))
 
 
 def step(name, root=ROOT):
