@@ -445,7 +445,7 @@ def main(Engine, stage, distributed=True, formula=None):
     # --profile's step: one no other profiler watches (on a CPU the memory meter's, on a GPU --timeline's, the last)
     watched = {measure_step} if device.type == "cpu" else {end - 1} if args.timeline else set()
     unwatched = [s for s in (measure_step + 1, measure_step - 1, measure_step) if start <= s < end and s not in watched]
-    profile_step = unwatched[0]  # (a run with --profile trains 2 steps or more: one of them is unwatched)
+    profile_step = unwatched[0] if args.profile else None  # (--profile: 2 steps or more, one of them unwatched)
     measured, step_times, bar = dict(peak=0), [], progress(range(start, end), start, args, rank)
     unread = []  # (loss, grad norm) tensors of the steps since the history was last read
     for step in bar:

@@ -109,9 +109,10 @@ class Runner:
             pytest.fail(self.cache[key], pytrace=False)
         return self.cache[key]
 
-    def spawn(self, script, nproc, args, env=None, timeout=900):
+    def spawn(self, script, nproc, args, env=None, timeout=900, grace=0.0):
         """What torchrun does on one node: N ranks with the environment torch.distributed reads (RANK, WORLD_SIZE,
-        LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and the whole job stopped as soon as one rank fails."""
+        LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and the whole job stopped as soon as one rank fails (after `grace`
+        seconds, for a test of ranks that must all stop by themselves)."""
         port = free_port()
         procs, outs = [], []
         for rank in range(nproc):
@@ -123,7 +124,9 @@ class Runner:
                                           stderr=outs[-1][1], text=True, cwd=ROOT, env=rank_env))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
-            if any(p.returncode for p in procs) or time.monotonic() > deadline:
+            if any(p.returncode for p in procs):  # one rank failed: the others get `grace` seconds to stop
+                deadline = min(deadline, time.monotonic() + grace)
+            if time.monotonic() > deadline:
                 for p in procs:  # a failed rank leaves the others waiting in a collective: stop them
                     if p.poll() is None:
                         p.kill()

@@ -226,7 +226,7 @@ def test_a_refusal_seen_by_one_rank_stops_every_rank(runner, tmp_path):
     with the same line (a lone exit would leave rank 0 waiting in its next collective)."""
     ckpt = str(tmp_path / "ckpt")
     runner.run(str(ROOT / "stage2.py"), 2, *MODEL, *TRAIN, "--bucket_mb", "0.02", "--stop_after", "1", "--ckpt_dir", ckpt)
-    p = runner.spawn(lagging(tmp_path, 0), 2, [*MODEL, *TRAIN, "--bucket_mb", "0.02", "--ckpt_dir", ckpt])
+    p = runner.spawn(lagging(tmp_path, 0), 2, [*MODEL, *TRAIN, "--bucket_mb", "0.02", "--ckpt_dir", ckpt], grace=60)
     refusals = [ln for ln in p.stderr.splitlines() if ln.startswith("error: --ckpt_dir") and "already holds" in ln]
     assert p.returncode != 0 and len(refusals) == 2, f"expected the refusal from both ranks:\n{p.stderr[-2000:]}"
 

@@ -78,15 +78,18 @@ def test_the_construction_check_catches_a_whole_model(tmp_path):
         assert r["at_broadcast"] >= r["param_shard"] + r["whole"] - r["unit"] > r["param_shard"] + r["unit"] + SLACK
 
 
-def largest_quick(out_dir, *switch):
-    """bench/largest.py --quick [switch...] into out_dir: {(stage, N): row}, what it printed, and its largest.json."""
+def largest_quick(out_dir, *switch, stages=None, world_sizes=(1, 2, 4)):
+    """bench/largest.py --quick [switch...] into out_dir, for `stages` (default: every stage) at `world_sizes`:
+    {(stage, N): row}, what it printed, and its largest.json."""
     out = out_dir / "rows.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "largest.py"), "--quick", *switch, "--out", str(out),
-                        "--out_dir", str(out_dir)], capture_output=True, text=True, cwd=ROOT, timeout=1800,
+    stages = stages or [s for s in largest.SCRIPTS if s not in largest.FLAGS]
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "largest.py"), "--quick", *switch, "--stages", *stages,
+                        "--world_sizes", *map(str, world_sizes), "--out", str(out), "--out_dir", str(out_dir)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=1800,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = {(r["stage"], r["world_size"]): r for r in json.loads(out.read_text())}
-    assert set(rows) == {(s, n) for s in largest.SCRIPTS if s not in largest.FLAGS for n in (1, 2, 4)}
+    assert set(rows) == {(s, n) for s in stages for n in world_sizes}
     for r in rows.values():
         assert set(r) >= {"stage", "world_size", "largest_params", "predicted_params"}
         assert r["largest_params"] > 0 and r["peak_mib"] <= 24, r
@@ -109,11 +112,13 @@ def test_largest_quick(quick):
 
 
 def test_largest_quick_checkpointed(quick, tmp_path):
-    """bench/largest.py --quick --checkpoint_activations, beside --quick's rows: every stage at N = 1, 2, 4 within the
-    same 24 MiB. With 1 x 64 tokens per rank the activations are a small part of the peak, so the gain is small; still,
-    stage 3 and offload at N=4, whose peak is mostly activations once their states are sharded, train more with it."""
+    """bench/largest.py --quick --checkpoint_activations, beside --quick's rows, within the same 24 MiB: stage 3 and
+    offload at N=4 (every stage and N is --quick's, above: the switch runs the same search). With 1 x 64 tokens per rank
+    the activations are a small part of the peak, so the gain is small; still, stage 3 and offload at N=4, whose peak
+    is mostly activations once their states are sharded, train more with it."""
     plain, _, without = quick
-    rows, stdout, _ = largest_quick(tmp_path / "with", "--checkpoint_activations", "--beside", str(without))
+    rows, stdout, _ = largest_quick(tmp_path / "with", "--checkpoint_activations", "--beside", str(without),
+                                    stages=["stage3", "offload"], world_sizes=[4])
     for key in (("stage3", 4), ("offload", 4)):
         assert rows[key]["largest_params"] > plain[key]["largest_params"], (key, rows[key], plain[key], stdout[-3000:])
     table = (tmp_path / "with" / "table.md").read_text()
