@@ -1,6 +1,7 @@
 // cpu_adam.cpp: a fast, exact AdamW step for fp32 master weights on the CPU (ZeRO-Offload's optimizer).
 //
-//     adam_step(param, grad, exp_avg, exp_avg_sq, param_out, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+//     adam_step(param, grad, exp_avg, exp_avg_sq, param_out=None, *, step, lr, beta1, beta2, eps, weight_decay,
+//               grad_scale)    the tensors by position, the step and the hyperparameters by name (the binding below)
 //     sum_of_squares(grad) -> float: Σ grad² in double, for the gradient norm that decides the clipping
 //
 // The algorithm: torch.optim.AdamW for one fp32 tensor, with torch's operations in torch's order, each rounded once
@@ -417,3 +418,19 @@ void set_threads(int64_t n) {
     g_threads = int(n);
 }
 int64_t threads() { return num_threads(); }
+
+// The Python binding, written here rather than by load_inline's functions=[...], so that adam_step's arguments have
+// names and its scalars can only be passed by name (a swapped beta1 and lr would otherwise run without a word).
+// A file that compiles this one in with bindings of its own (bench/touch.cpp) defines CPU_ADAM_NO_MODULE first.
+#ifndef CPU_ADAM_NO_MODULE
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("adam_step", &adam_step, "one AdamW step of param (fp32) in place, its new values also into param_out",
+          py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+          py::arg("param_out") = py::none(), py::kw_only(), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"));
+    m.def("sum_of_squares", &sum_of_squares, "Σ grad² in double", py::arg("grad"));
+    m.def("isa", &isa, "the code path this build was compiled with");
+    m.def("set_threads", &set_threads, "the threads of the kernel's parallel region", py::arg("n"));
+    m.def("threads", &threads, "the threads of the kernel's parallel region");
+}
+#endif

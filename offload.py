@@ -24,36 +24,44 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.cpp_extension
 
-from train_gpt import (OPENMP, Misuse, build_cpu_adam, clip_coef, comm, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source,
-                       main, require, set_cpu_adam_threads, trained)
+from devices import OPENMP, build_cpu_adam, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source, set_cpu_adam_threads
+from train_gpt import Misuse, clip_coef, comm, main, require, trained
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
     """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
-    isa = cpu_adam_isa(isa)
-    return set_cpu_adam_threads(build_cpu_adam(isa, lambda: torch.utils.cpp_extension.load_inline(
-        f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()], extra_cflags=cpu_adam_cflags(isa), extra_ldflags=OPENMP,
-        functions=["adam_step", "sum_of_squares", "isa", "set_threads", "threads"])), spare, announce)
+    isa = cpu_adam_isa(isa)  # which of the kernel's code paths to compile: "avx512", "avx2" or "scalar"
+
+    def build():  # (the module's Python bindings are cpu_adam.cpp's own: its arguments have names)
+        return torch.utils.cpp_extension.load_inline(f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()],
+                                                     extra_cflags=cpu_adam_cflags(isa), extra_ldflags=OPENMP)
+    module = build_cpu_adam(isa, build)  # once per code path and process; a missing compiler is one clear error
+    return set_cpu_adam_threads(module, spare, announce)
 
 class Copies:
-    """Copies between device and host memory on a copy stream beside the compute stream, joined to it by events, with
-    pinned host buffers (from or to pageable memory a copy blocks the host). Without CUDA, plain copies; no events."""
+    """Copies between device and host memory, with pinned host buffers where there is CUDA. A plain copy returns when
+    it is done; with CUDA they run on a copy stream beside the compute stream, joined to it by events."""
     def __init__(self, device):
         self.cuda = device.type == "cuda"
+        # [Copy stream] with CUDA, a stream of its own for the copies: they run beside compute instead of between it
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # [/Copy stream]
 
     def host(self, numel, dtype):  # a zeroed host buffer, pinned with CUDA (zeros_like of a pinned tensor is not)
         return torch.zeros(numel, dtype=dtype, pin_memory=self.cuda)
 
     def copy(self, dst, src):  # one end from host(); after the work queued so far on the compute stream
-        if not self.cuda:
-            return dst.copy_(src)
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        for t in [t for t in (src, dst) if t.is_cuda]:
-            t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
-        return dst
+        # [Copy stream] on the copy stream, without blocking the host (from or to pageable memory a copy would block it)
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+            for t in [t for t in (src, dst) if t.is_cuda]:
+                t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+            return dst
+        # [/Copy stream]
+        return dst.copy_(src)
 
+    # [Copy stream] the events that join the copy stream to the host and to the compute stream (None without CUDA)
     def event(self):  # fires when every copy queued so far has landed
         return self.stream.record_event() if self.cuda else None
 
@@ -64,6 +72,7 @@ class Copies:
     def compute_waits(self, event):  # the work queued on the compute stream from now on waits; the host goes on
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+    # [/Copy stream]
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -135,9 +144,11 @@ class OffloadEngine:
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
         # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; C++ AdamW
-        self.copies, self.device = Copies(device), device
+        self.copies = Copies(device)
+        self.device = device
         self.master = self.param_shard.to("cpu", torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
-        self.adam_m, self.adam_v = torch.zeros_like(self.master), torch.zeros_like(self.master)
+        self.adam_m = torch.zeros_like(self.master)  # Adam's moments: this rank's shard, in fp32
+        self.adam_v = torch.zeros_like(self.master)
         self.spare_cores = 0  # cores the C++ AdamW leaves to this rank's other threads (--delayed_update: one)
         self.adam_step = 0  # AdamW's step count
         self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # down from the last micro-step
@@ -157,7 +168,9 @@ class OffloadEngine:
             self.spare_cores = 1  # the update runs beside forward and backward: leave them a core
         # [/DPU]
         self.adam = load_cpu_adam(announce=self.rank == 0, spare=self.spare_cores)  # the C++ AdamW, built once
-        self.grads_on_host = None  # the event of the last gradient shard's copy down
+        # [Copy stream] the event of the last gradient shard's copy down
+        self.grads_on_host = None
+        # [/Copy stream]
         self.in_flight = []  # buckets whose reduce-scatter is in flight
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
         self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
@@ -271,14 +284,18 @@ class OffloadEngine:
         require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         while self.in_flight:
             self._release(self.in_flight.pop())
+        # [Copy stream] an event that fires when the last gradient shard has landed on the CPU
         if sync:
-            self.grads_on_host = self.copies.event()  # fires when the last gradient shard has landed on the CPU
+            self.grads_on_host = self.copies.event()
+        # [/Copy stream]
 
     def step(self, lr):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
-        self.copies.host_waits(self.grads_on_host)  # the gradient shard has landed in CPU memory
+        # [Copy stream] the gradient shard has landed in CPU memory
+        self.copies.host_waits(self.grads_on_host)
+        # [/Copy stream]
         norm = torch.tensor(self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64).to(self.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
@@ -296,7 +313,9 @@ class OffloadEngine:
             return norm
         # [/DPU]
         self._cpu_update(self.grad_shard, self.adam_step, lr, coef, send=True)
-        self.copies.compute_waits(self.copies.event())  # the next forward gathers the new parameters
+        # [Copy stream] the next forward gathers the new parameters: after they have landed
+        self.copies.compute_waits(self.copies.event())
+        # [/Copy stream]
         return norm
         # [/Offload]
 
@@ -307,7 +326,8 @@ class OffloadEngine:
         for b in self.buckets:
             sh = self._shard_range(b)
             self.adam.adam_step(self.master[sh], grad_shard[sh], self.adam_m[sh], self.adam_v[sh], self.staging[sh],
-                                step, lr, a.beta1, a.beta2, 1e-8, a.weight_decay, coef)  # coef: clipping, in the pass
+                                step=step, lr=lr, beta1=a.beta1, beta2=a.beta2, eps=1e-8, weight_decay=a.weight_decay,
+                                grad_scale=coef)  # the clipping, in the same pass
             if send:
                 self._send(sh)
         grad_shard.zero_()
@@ -323,7 +343,8 @@ class OffloadEngine:
     # [DPU] wait for the update in flight and send its parameters up; if it failed, stop with its error, in one line
     def _finish_update(self):
         if self.update is not None:
-            update, self.update = self.update, None
+            update = self.update
+            self.update = None
             if (e := update.exception()) is not None:  # (waits for it) an error in its thread: one line, nothing sent
                 raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".split("\n")[0])
             self._send(slice(None))
@@ -332,7 +353,9 @@ class OffloadEngine:
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
-        self.copies.host_waits(self.copies.event())  # every copy queued so far has landed: the gradient shard's too
+        # [Copy stream] every copy queued so far has landed: the gradient shard's too
+        self.copies.host_waits(self.copies.event())
+        # [/Copy stream]
         lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 

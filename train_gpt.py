@@ -23,8 +23,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (check
 from checkpoint import (checkpoint_due, consolidate, load_checkpoint, load_consolidated, plan_checkpoints,
                         save_checkpoint)
 from options import Misuse, check_args, gpt_config, load_text, parse_args, require
-from devices import (OPENMP, build_cpu_adam, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source, from_rank0,  # noqa: F401
-                     init_distributed, pick_device, pick_dtype, set_cpu_adam_threads, stop)
+from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
 from instruments import (PeakMemory, Timeline, comm, evaluate, finish, holdings, log, log_due, pinned_bytes, progress,
                          summarize, timeline)
 

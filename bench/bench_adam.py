@@ -82,7 +82,8 @@ def make_candidates(mod, touch, n):
 
     def ours():
         state["step"] += 1
-        mod.adam_step(p, g, m, v, None, state["step"], LR, *BETAS, EPS, WD, GRAD_SCALE)
+        mod.adam_step(p, g, m, v, None, step=state["step"], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                      weight_decay=WD, grad_scale=GRAD_SCALE)
 
     tp, tg, tm, tv = torch.randn(n, generator=gen), g.clone(), torch.zeros(n), torch.zeros(n)
     for name, (tile, prefetch, stream) in ceiling_loops(touch).items():

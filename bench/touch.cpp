@@ -7,6 +7,7 @@
 // ordinary or streaming (non-temporal) stores. The benchmark takes the fastest: no single loop is the fastest way to
 // move memory on every CPU. The kernel is compiled into the same module (the #include), so these loops tile, prefetch
 // and load as it does, with its flags for the same code path (bench_adam.load_touch); set_threads and isa are its own.
+#define CPU_ADAM_NO_MODULE  // this module's bindings are load_inline's (functions=[...] in bench_adam.py)
 #include "cpu_adam.cpp"
 
 namespace {

@@ -30,10 +30,13 @@ LESSONS = [
     ("2_zero2", "stage1.py", "stage2.py", "gradients partitioned (ZeRO-2)"),
     ("3_zero3", "stage2.py", "stage3.py - Recompute", "parameters partitioned (ZeRO-3): units gathered, prefetched, freed"),
     ("4_recompute", "stage3.py - Recompute", "stage3.py", "a unit gathered again for its recompute (activation checkpointing)"),
-    ("5_offload", "stage3.py", "offload.py - ZeRO-3 Offload - DPU", "the optimizer on the CPU (ZeRO-Offload)"),
-    ("6_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
+    ("5_offload", "stage3.py", "offload.py - Copy stream - ZeRO-3 Offload - DPU",
+     "the optimizer on the CPU (ZeRO-Offload): C++ AdamW on host shards, plain copies down and up"),
+    ("6_copy_stream", "offload.py - Copy stream - ZeRO-3 Offload - DPU", "offload.py - ZeRO-3 Offload - DPU",
+     "the copies on a stream of their own, beside compute, joined to it by events"),
+    ("7_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
      "the parameter shard on the CPU too (--offload_params)"),
-    ("7_delayed_update", "offload.py - DPU", "offload.py", "the CPU update during the next step (--delayed_update)"),
+    ("8_delayed_update", "offload.py - DPU", "offload.py", "the CPU update during the next step (--delayed_update)"),
 ]
 
 

@@ -320,15 +320,15 @@ def checked_engine(Engine):
         adam = getattr(engine, "adam", None)
         if hasattr(adam, "adam_step"):
             engine.adam = types.SimpleNamespace(**{k: getattr(adam, k) for k in dir(adam) if not k.startswith("__")})
-            engine.adam.adam_step = lambda *args: adam_step(adam, *args)
-    def adam_step(adam, *args):
+            engine.adam.adam_step = lambda *args, **kwargs: adam_step(adam, *args, **kwargs)
+    def adam_step(adam, *args, **kwargs):
         seen["cpu_adam steps"] += 1
         named = tensors((f"arg{i}", t) for i, t in enumerate(args))
         if any(not host(t) for _, t in named):
             refuse("cpu_adam.adam_step", ", ".join(shown(n, t) for n, t in named))
         written = [t for n, t in named if n != "arg1"]  # (param, grad, m, v, out, ...): it reads the gradient only
         streams.tensors(fake_streams.HOST, "cpu_adam.adam_step", [named[1][1]], written)
-        return adam.adam_step(*args)
+        return adam.adam_step(*args, **kwargs)
     Engine.__init__ = __init__
     Engine.forward = during("phase", "forward", Engine.forward)
     Engine.backward = during("phase", "backward", Engine.backward)

@@ -169,7 +169,8 @@ def test_bit_exact_against_reference(kernel, n, grad_dtype, out_dtype):
     out = torch.empty(n, dtype=out_dtype)
     for step, g in enumerate(grads, 1):
         lr, wd, scale = LRS[step - 1], [0.1, 0.0][step % 2], SCALES[step % len(SCALES)]
-        kernel.adam_step(p, g, m, v, out, step, lr, *BETAS, EPS, wd, scale)
+        kernel.adam_step(p, g, m, v, out, step=step, lr=lr, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=wd,
+                         grad_scale=scale)
         rp, rm, rv = reference_step(rp, g.float().numpy(), rm, rv, step, lr, *BETAS, EPS, wd, scale)
         for ours, ref, name in ((p, rp, "p"), (m, rm, "exp_avg"), (v, rv, "exp_avg_sq")):
             assert_bits_equal(ours, ref, f"{kernel.isa()} step {step} {name}")
@@ -207,7 +208,8 @@ def test_fp16_conversions_match_torch(kernel):
     g = every_fp16()
     n = g.numel()
     p, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-    kernel.adam_step(p, g, m, v, None, 1, 0.0, 0.0, BETAS[1], EPS, 0.0, 1.0)
+    kernel.adam_step(p, g, m, v, None, step=1, lr=0.0, beta1=0.0, beta2=BETAS[1], eps=EPS, weight_decay=0.0,
+                     grad_scale=1.0)
     want = g.float()
     wrong = ~((m == want) | (m.isnan() & want.isnan()))
     assert not bool(wrong.any()), (f"{kernel.isa()}: fp16 gradients widened wrong at "
@@ -215,8 +217,8 @@ def test_fp16_conversions_match_torch(kernel):
     x = rounding_boundaries()
     n = x.numel()
     p, out = x.clone(), torch.empty(n, dtype=torch.float16)
-    kernel.adam_step(p, torch.zeros(n, dtype=torch.float16), torch.zeros(n), torch.zeros(n), out, 1, 0.0, *BETAS,
-                     EPS, 0.0, 1.0)
+    kernel.adam_step(p, torch.zeros(n, dtype=torch.float16), torch.zeros(n), torch.zeros(n), out, step=1, lr=0.0,
+                     beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.0, grad_scale=1.0)
     assert torch.equal(bits(p)[~x.isnan()], bits(x)[~x.isnan()])  # lr = 0: p itself unchanged
     assert_bits_equal(out, to_fp16_bits(x.numpy()), f"{kernel.isa()} fp16 param_out of fp32 values")
 
@@ -278,7 +280,8 @@ def test_fused_multiply_adds_round_once(kernel):
     gg, mm = torch.ones(n), torch.zeros(n)
     gg[idx], mm[idx] = g, c
     p, v = torch.ones(n), torch.ones(n)
-    kernel.adam_step(p, gg, mm, v, None, 1, 1e-3, 0.25, BETAS[1], EPS, 0.0, 1.0)
+    kernel.adam_step(p, gg, mm, v, None, step=1, lr=1e-3, beta1=0.25, beta2=BETAS[1], eps=EPS, weight_decay=0.0,
+                     grad_scale=1.0)
     assert torch.equal(bits(mm[idx]), bits(torch.from_numpy(fma32(a.numpy(), b.numpy(), c.numpy()))))
 
 
@@ -300,7 +303,8 @@ def test_matches_torch_adamw(kernel, n, grad_dtype):
         ref.grad = g.float().mul(scale)
         gmax = torch.maximum(gmax, ref.grad.abs())
         opt.step()
-        kernel.adam_step(p, g, m, v, None, step, lr, *BETAS, EPS, 0.1, scale)
+        kernel.adam_step(p, g, m, v, None, step=step, lr=lr, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1,
+                         grad_scale=scale)
     st = opt.state[ref]
     # Where torch's last bits come from: its sqrt is the CPU's math library's (MKL's is within 1 ulp, not always
     # correctly rounded), and its lerp and addcmul are fused multiply-adds on its AVX2/AVX-512 paths but a multiply
@@ -325,8 +329,9 @@ def test_grad_scale_is_applied_once_and_leaves_grad_alone(kernel):
     a = [p0.clone(), torch.zeros(n), torch.zeros(n)]
     b = [p0.clone(), torch.zeros(n), torch.zeros(n)]
     for step in (1, 2):
-        kernel.adam_step(a[0], g, a[1], a[2], None, step, 1e-3, *BETAS, EPS, 0.1, 0.25)
-        kernel.adam_step(b[0], g * 0.25, b[1], b[2], None, step, 1e-3, *BETAS, EPS, 0.1, 1.0)
+        hyper = dict(step=step, lr=1e-3, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1)
+        kernel.adam_step(a[0], g, a[1], a[2], None, grad_scale=0.25, **hyper)
+        kernel.adam_step(b[0], g * 0.25, b[1], b[2], None, grad_scale=1.0, **hyper)
     assert torch.equal(g, g_before)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
@@ -349,10 +354,12 @@ def test_misaligned_views_fp32_out_and_threads(kernel):
     try:
         for step in (1, 2, 3):
             (p, m, v), (pv, mv, vv) = aligned, views
+            hyper = dict(step=step, lr=1e-3, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.01,
+                         grad_scale=CLIP)
             kernel.set_threads(1)
-            kernel.adam_step(p, g, m, v, None, step, 1e-3, *BETAS, EPS, 0.01, CLIP)
+            kernel.adam_step(p, g, m, v, None, **hyper)
             kernel.set_threads(2)
-            kernel.adam_step(pv, g_view, mv, vv, out, step, 1e-3, *BETAS, EPS, 0.01, CLIP)
+            kernel.adam_step(pv, g_view, mv, vv, out, **hyper)
     finally:
         kernel.set_threads(threads)
     for a, b in zip(aligned, views):
@@ -369,7 +376,8 @@ def test_step_is_taken_as_given(kernel):
                                *BETAS, EPS, 0.1, 1.0)
     for _ in range(2):
         p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
-        kernel.adam_step(p, g, m, v, None, 1, 1e-3, *BETAS, EPS, 0.1, 1.0)
+        kernel.adam_step(p, g, m, v, None, step=1, lr=1e-3, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1,
+                         grad_scale=1.0)
         assert_bits_equal(p, rp, "p")
         assert_bits_equal(m, rm, "exp_avg")
 
@@ -440,8 +448,8 @@ def _args(n=64, **over):
     a = dict(param=torch.zeros(n), grad=torch.ones(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n), out=None,
              lr=1e-3, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.0, grad_scale=1.0)
     a.update(over)
-    return (a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["out"], 1, a["lr"], a["beta1"], a["beta2"],
-            a["eps"], a["weight_decay"], a["grad_scale"])
+    tensors = (a.pop("param"), a.pop("grad"), a.pop("exp_avg"), a.pop("exp_avg_sq"), a.pop("out"))
+    return tensors, dict(step=1, **a)  # the tensors by position, the rest by name
 
 
 @pytest.mark.parametrize(
@@ -472,10 +480,10 @@ def _args(n=64, **over):
 )
 def test_bad_inputs_raise_clear_errors(over, words):
     cpu_adam = load_cpu_adam(RUNNABLE[0])
-    args = _args(**over)
+    args, kwargs = _args(**over)
     before = args[0].clone() if args[0].device.type == "cpu" else None
     with pytest.raises(RuntimeError) as e:
-        cpu_adam.adam_step(*args)
+        cpu_adam.adam_step(*args, **kwargs)
     for w in words:
         assert w.lower() in str(e.value).lower(), (w, str(e.value))
     if before is not None:

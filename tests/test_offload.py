@@ -230,11 +230,11 @@ class FailingAdam:
     def __getattr__(self, name):  # the rest (sum_of_squares, threads, ...) is the kernel's own
         return getattr(self.adam, name)
 
-    def adam_step(self, *args):
-        self.calls += args[5] == 3  # args[5]: the step
+    def adam_step(self, *args, **kwargs):
+        self.calls += kwargs["step"] == 3
         if self.calls == 2:
             raise RuntimeError("injected failure halfway through the update of step 3")
-        return self.adam.adam_step(*args)
+        return self.adam.adam_step(*args, **kwargs)
 
 
 def init(self, *args, original=offload.OffloadEngine.__init__):
