@@ -7,25 +7,24 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
     host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ the parameters 2Ψ/N: --offload_params)
     sent      what stage 3 sends; and over each rank's device-host link, 2Ψ/N down and 2Ψ/N up
 
-The idea: each bucket's reduced gradient shard goes down to pinned host memory on a copy stream (Copies) under the rest
-of backward; the step waits for it, and a C++ AdamW (cpu_adam.cpp, built by load_inline) updates it there, the new
-parameters going up bucket by bucket. --offload_params keeps the parameter shard in CPU memory too, up for each gather
-(ZeRO-3 Offload); --delayed_update runs step t's update in a thread during step t+1 (the ZeRO-Offload paper's DPU).
+The idea: each bucket's reduced gradient shard goes down to host memory (Copies), the step's C++ AdamW (cpu_adam.cpp,
+built by load_inline) updates this rank's shard there, and the new parameters go up bucket by bucket. With CUDA the
+copies run on a copy stream, into pinned memory, under the rest of backward, joined to compute by events.
+--offload_params keeps the parameter shard in CPU memory too, up for each gather (ZeRO-3 Offload); --delayed_update
+runs step t's update in a thread during step t+1 (the ZeRO-Offload paper's DPU).
 With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the sum goes
 down (a sum on the host would have to wait inside backward for each micro-step's copy to land).
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
 """
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.cpp_extension
 
 from devices import OPENMP, build_cpu_adam, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source, set_cpu_adam_threads
-from train_gpt import Misuse, clip_coef, comm, main, require, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, trained
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
     """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
@@ -147,15 +146,14 @@ class OffloadEngine:
         self.copies = Copies(device)
         self.device = device
         self.master = self.param_shard.to("cpu", torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
-        self.adam_m = torch.zeros_like(self.master)  # Adam's moments: this rank's shard, in fp32
-        self.adam_v = torch.zeros_like(self.master)
-        self.spare_cores = 0  # cores the C++ AdamW leaves to this rank's other threads (--delayed_update: one)
-        self.adam_step = 0  # AdamW's step count
+        self.optimizer = AdamW(self.master, args)  # its state (m, v, t) in CPU memory; its step is the C++ kernel's
         self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # down from the last micro-step
         self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # the new parameters, on their way up
-        # --grad_accum > 1: the micro-steps' reduced shards, summed on the device (grad_shard's size and dtype)
-        self.grad_acc = None if args.grad_accum == 1 else torch.zeros_like(self.grad_shard, device=device)
+        self.spare_cores = 0  # cores the C++ AdamW leaves to this rank's other threads (--delayed_update: one)
         # [/Offload]
+        # [Grad acc] --grad_accum > 1: the micro-steps' reduced shards summed in one device buffer (grad_shard's size)
+        self.grad_acc = None if args.grad_accum == 1 else torch.zeros_like(self.grad_shard, device=device)
+        # [/Grad acc]
         # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
         if args.offload_params:
             self.param_shard = self.copies.host(self.param_shard.numel(), params[0].dtype).copy_(self.param_shard)
@@ -164,6 +162,7 @@ class OffloadEngine:
         self.update = None  # the update in flight
         if args.delayed_update:
             self.spare_grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
+            from concurrent.futures import ThreadPoolExecutor  # (this option's thread: imported only when asked for)
             self.updater = ThreadPoolExecutor(1)
             self.spare_cores = 1  # the update runs beside forward and backward: leave them a core
         # [/DPU]
@@ -254,15 +253,17 @@ class OffloadEngine:
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
-            if self.grad_acc is not None and b.acc is None:  # a step's first micro-step: straight into grad_acc
+            # [Grad acc] a step's first micro-step reduces straight into grad_acc
+            if self.grad_acc is not None and b.acc is None:
                 b.reduced = self.grad_acc[self._shard_range(b)]
+            # [/Grad acc]
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
             # [/ZeRO-2]
 
-    # [Offload] wait for the reduce-scatter; on the last micro-step, copy the summed shard to the CPU on the copy stream
+    # [Offload] wait for the reduce-scatter; on the last micro-step, copy the shard summed on the device to the CPU
     def _release(self, b):  # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
         b.work.wait()
         b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)  # summed over the micro-steps, on the device
@@ -303,16 +304,16 @@ class OffloadEngine:
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
             self.grad_shard.zero_()
             return norm
-        self.adam_step += 1
-        coef = float(coef)  # the C++ AdamW clips in its pass: a number on the host
+        self.optimizer.t += 1
         # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
         if self.args.delayed_update:
             self._finish_update()  # (after a step skipped for an fp16 overflow: the update from the step before it)
             self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
-            self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.adam_step, lr, coef)
+            self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr,
+                                              float(coef))  # (a number on the host: the thread reads no device)
             return norm
         # [/DPU]
-        self._cpu_update(self.grad_shard, self.adam_step, lr, coef, send=True)
+        self._cpu_update(self.grad_shard, self.optimizer.t, lr, float(coef), send=True)
         # [Copy stream] the next forward gathers the new parameters: after they have landed
         self.copies.compute_waits(self.copies.event())
         # [/Copy stream]
@@ -320,14 +321,14 @@ class OffloadEngine:
         # [/Offload]
 
     def _cpu_update(self, grad_shard, step, lr, coef, send=False):
-        """C++ AdamW over this rank's shard, a bucket's at a time, writing the new parameters into staging in the same
-        pass (the host has waited for staging's last copies, or for gradients queued after them)."""
+        """C++ AdamW over this rank's shard, a bucket's at a time, clipping by coef and writing the new parameters into
+        staging in the same pass (the host has waited for staging's last copies, or for gradients queued after them)."""
         a = self.args
         for b in self.buckets:
             sh = self._shard_range(b)
-            self.adam.adam_step(self.master[sh], grad_shard[sh], self.adam_m[sh], self.adam_v[sh], self.staging[sh],
-                                step=step, lr=lr, beta1=a.beta1, beta2=a.beta2, eps=1e-8, weight_decay=a.weight_decay,
-                                grad_scale=coef)  # the clipping, in the same pass
+            self.adam.adam_step(self.master[sh], grad_shard[sh], self.optimizer.exp_avg[sh],
+                                self.optimizer.exp_avg_sq[sh], self.staging[sh], step=step, lr=lr, beta1=a.beta1,
+                                beta2=a.beta2, eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)
             if send:
                 self._send(sh)
         grad_shard.zero_()
@@ -361,9 +362,11 @@ class OffloadEngine:
 
     def model_states(self):
         states = {"params": [self.param_shard], "grads": [self.grad_shard],
-                  "master": [self.master], "adam_m": [self.adam_m], "adam_v": [self.adam_v]}
-        if self.grad_acc is not None:  # --grad_accum > 1: the gradient shard summed on the device
+                  "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
+        # [Grad acc] --grad_accum > 1: the gradient shard summed on the device
+        if self.grad_acc is not None:
             states["grad_acc"] = [self.grad_acc]
+        # [/Grad acc]
         # [DPU] its second gradient shard
         if self.args.delayed_update:
             states["grads"].append(self.spare_grad_shard)
@@ -374,7 +377,7 @@ class OffloadEngine:
         # [DPU] the update in flight lands first (a one-step shift)
         self._finish_update()
         # [/DPU]
-        state, pieces = (self.master, self.adam_m, self.adam_v), []
+        state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
         for name, p in trained(self.model):
             lo, hi, at = self._piece_of(p)
             if lo < hi:  # this rank holds some of p
@@ -388,7 +391,7 @@ class OffloadEngine:
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
     def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
-        self.adam_step = step
+        self.optimizer.t = step
         self.param_shard.copy_(self.master)
 
 if __name__ == "__main__":

@@ -452,6 +452,21 @@ def _args(n=64, **over):
     return tensors, dict(step=1, **a)  # the tensors by position, the rest by name
 
 
+def test_the_scalars_are_passed_by_name():
+    """adam_step takes its four tensors and param_out by position and the step and hyperparameters by name only: seven
+    numbers in a row (lr and beta1 swapped, say) are refused before anything is touched."""
+    cpu_adam = load_cpu_adam(RUNNABLE[0])
+    (p, g, m, v, out), kwargs = _args()
+    before = p.clone()
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        cpu_adam.adam_step(p, g, m, v, out, *kwargs.values())
+    assert torch.equal(p, before)
+    cpu_adam.adam_step(p, g, m, v, **kwargs)  # (param_out may be left out: None)
+    assert not torch.equal(p, before)
+    for name in ["step", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale"]:
+        assert f"{name}: " in cpu_adam.adam_step.__doc__, name  # named in its signature, as help() shows it
+
+
 @pytest.mark.parametrize(
     "over, words",
     [
