@@ -69,7 +69,7 @@ BATTERY = {
         says=r"stream order: aten\.copy_ on the stream made at offload\.py:\d+: touches memory that the nccl stream "
              r"wrote in c10d reduce_scatter"),
     "step_without_compute_waits": dict(  # 3 steps: as missing_wait_event
-        file="offload.py", line=r"self\.copies\.compute_waits\(self\.copies\.event\(\)\)  # the next forward",
+        file="offload.py", line=r"self\.copies\.compute_waits\(self\.copies\.event\(\)\)",
         new=["pass  # no compute_waits"], flags=["--steps", "3"], nproc=1,
         at=r"b\.gather = comm\.all_gather\(b\.param, self\.param_shard",
         says=rf"stream order: c10d all_gather\w* on the nccl stream: touches memory that {COPY_STREAM} wrote"),

@@ -62,7 +62,7 @@ def held(engine):
     weights and Adam moments; and its optimizer's step counter(s)."""
     tensors = list(engine.model_states()["params"]) + [t for *_, views in engine.state_pieces() for t in views]
     counters = [o.t for o in getattr(engine, "optimizers", [getattr(engine, "optimizer", None)]) if o is not None]
-    return [t.detach().clone().reshape(-1).view(torch.uint8) for t in tensors], counters or [engine.optimizer.t]
+    return [t.detach().clone().reshape(-1).view(torch.uint8) for t in tensors], counters
 
 
 class Overflowing(Engine):
