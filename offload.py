@@ -78,7 +78,8 @@ class Bucket:
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
     def __init__(self, start, module):
         self.start = self.end = start  # its place in the flat numbering of all parameters
-        self.module, self.params = module, []  # the unit, and its trained parameters
+        self.module = module  # the unit
+        self.params = []
         self.waiting = 0   # gradients still to arrive in this backward
         self.work = None   # the collective in flight
         self.grad = None   # the bucket's full gradient: exists only until reduced
@@ -103,29 +104,29 @@ class OffloadEngine:
     def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = [p for _, p in trained(model)]
+        params = [p for _, p in trained(model)][::-1]  # (stages 0-2's order; here they are ordered by unit below)
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         units = [*(units or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]), model]
-        self.buckets = []
+        unit_of = {}  # trained parameter -> its unit: the first unit that holds it
+        for m in units:  # (the root, last, takes the parameters no other unit holds)
+            unit_of |= {p: m for p in m.parameters() if p.requires_grad and p not in unit_of}
+        params = list(unit_of)  # unit by unit (a unit with nothing to train gets no bucket, no hooks)
+        # [/ZeRO-3]
+        self.buckets = [Bucket(0, unit_of[params[0]])]
         self.bucket_of = {}  # parameter -> its bucket
         self.offset = {}  # parameter -> where its elements start in its bucket
-        end = 0
-        for m in units:  # the root comes last and takes the parameters no other unit owns
-            b = Bucket(end, m)
-            for p in m.parameters():
-                if p.requires_grad and p not in self.bucket_of:
-                    self.bucket_of[p], self.offset[p] = b, b.end - b.start
-                    b.params.append(p)
-                    b.end += p.numel()
-            if b.params:  # a unit with nothing to train is left alone: no bucket, no hooks
-                self.buckets.append(b)
-                end = self._pad(b)
-        self.padded_numel = end
-        # [/ZeRO-3]
+        for p in params:
+            if unit_of[p] is not self.buckets[-1].module:  # the next unit: a bucket of its own
+                self.buckets.append(Bucket(self._pad(self.buckets[-1]), unit_of[p]))
+            b = self.buckets[-1]
+            self.bucket_of[p], self.offset[p] = b, b.end - b.start
+            b.params.append(p)
+            b.end += p.numel()
+        self.padded_numel = self._pad(self.buckets[-1])
 
         # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
         # [ZeRO-3] this rank's shard of every bucket's parameters: the only parameters it keeps
-        self.param_shard = torch.empty(end // self.world_size, dtype=params[0].dtype, device=device)
+        self.param_shard = torch.empty(self.padded_numel // self.world_size, dtype=params[0].dtype, device=device)
         # [/ZeRO-3]
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
@@ -138,7 +139,7 @@ class OffloadEngine:
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
             # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
-            self._free(b)
+            b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
@@ -209,9 +210,6 @@ class OffloadEngine:
             # [/ZeRO-3 Offload]
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
-    def _free(self, b):  # free bucket b's full parameters: the storage itself, which autograd's saved views share
-        b.param.untyped_storage().resize_(0)
-
     def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
@@ -230,7 +228,7 @@ class OffloadEngine:
         if b.waiting:
             return
         # [/Recompute]
-        self._free(b)
+        b.param.untyped_storage().resize_(0)  # (autograd's saved views of the parameters share it: freed too)
         for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
@@ -249,7 +247,7 @@ class OffloadEngine:
         b.waiting -= 1
         if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
             # [ZeRO-3] the bucket's backward is done: free its full parameters
-            self._free(b)
+            b.param.untyped_storage().resize_(0)
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
@@ -302,7 +300,7 @@ class OffloadEngine:
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
-            self.grad_shard.zero_()
+            self._drop_gradient()
             return norm
         self.optimizer.t += 1
         # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
@@ -319,6 +317,9 @@ class OffloadEngine:
         # [/Copy stream]
         return norm
         # [/Offload]
+
+    def _drop_gradient(self):  # a skipped step's gradient: the next starts from zero (_cpu_update zeroes a used one)
+        self.grad_shard.zero_()
 
     def _cpu_update(self, grad_shard, step, lr, coef, send=False):
         """C++ AdamW over this rank's shard, a bucket's at a time, clipping by coef and writing the new parameters into
@@ -377,7 +378,8 @@ class OffloadEngine:
         # [DPU] the update in flight lands first (a one-step shift)
         self._finish_update()
         # [/DPU]
-        state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
+        state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
+        pieces = []
         for name, p in trained(self.model):
             lo, hi, at = self._piece_of(p)
             if lo < hi:  # this rank holds some of p

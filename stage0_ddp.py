@@ -104,18 +104,22 @@ class DDPEngine:
     def step(self, lr):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
-        norm = sum(sum_of_squares(b.grad) for b in self.buckets).sqrt()  # every rank holds the whole averaged gradient
+        norm = sum(sum_of_squares(b.grad) for b in self.buckets)  # every rank holds the whole averaged gradient
+        norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
-            for b in self.buckets:
-                b.grad.zero_()
+            self._drop_gradient()
             return norm
         # AdamW bucket by bucket: one bucket's gradient in fp32 at a time, never a copy of the whole gradient
         self.optimizer.step(((slice(b.start, b.end), b.grad.float().mul_(coef)) for b in self.buckets), lr)
         for b in self.buckets:
             b.param.copy_(self.master[b.start:b.end])  # the updated weights, cast back into the model
-            b.grad.zero_()
+        self._drop_gradient()
         return norm
+
+    def _drop_gradient(self):  # the step used (or skipped) this gradient: the next one starts from zero
+        for b in self.buckets:
+            b.grad.zero_()
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
@@ -127,7 +131,8 @@ class DDPEngine:
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
-        state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
+        state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
+        pieces = []
         for name, p in trained(self.model):
             lo, hi, at = self._piece_of(p)
             if lo < hi:  # this rank holds some of p

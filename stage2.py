@@ -140,19 +140,20 @@ class ZeRO2Engine:
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
-            self.grad_shard.zero_()
+            self._drop_gradient()
             return norm
         self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
                              for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
         # [/ZeRO-1]
         # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
-        works = [comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype), async_op=True)
-                 for b in self.buckets]  # every rank's updated shard, cast, into every rank's model
+        for b in self.buckets:
+            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))  # every rank's shard, cast
         # [/ZeRO-1]
-        for work in works:
-            work.wait()
-        self.grad_shard.zero_()
+        self._drop_gradient()
         return norm
+
+    def _drop_gradient(self):  # the step used (or skipped) this gradient: the next one starts from zero
+        self.grad_shard.zero_()
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
@@ -164,7 +165,8 @@ class ZeRO2Engine:
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
-        state, pieces = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq), []
+        state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
+        pieces = []
         for name, p in trained(self.model):
             lo, hi, at = self._piece_of(p)
             if lo < hi:  # this rank holds some of p

@@ -123,8 +123,10 @@ class Runner:
             procs.append(subprocess.Popen([sys.executable, *fake, script, *args], stdout=outs[-1][0],
                                           stderr=outs[-1][1], text=True, cwd=ROOT, env=rank_env))
         deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode for p in procs):  # one rank failed: the others get `grace` seconds to stop
+        code = 0  # the exit code of the first rank to fail by itself (those stopped below are not its cause)
+        while None in [p.poll() for p in procs]:  # (a list: every rank polled, so a failed one is seen at once)
+            if not code and any(p.returncode for p in procs):  # one rank failed: the others get `grace` s to stop
+                code = next(p.returncode for p in procs if p.returncode)
                 deadline = min(deadline, time.monotonic() + grace)
             if time.monotonic() > deadline:
                 for p in procs:  # a failed rank leaves the others waiting in a collective: stop them
@@ -135,7 +137,7 @@ class Runner:
         for out, err in outs:
             out.seek(0), err.seek(0)
             text.append((out.read(), err.read()))
-        code = next((p.returncode for p in procs if p.returncode), 0)
+        code = code or next((p.returncode for p in procs if p.returncode), 0)
         return subprocess.CompletedProcess(procs[0].args, code, "".join(o for o, _ in text), "".join(e for _, e in text))
 
     def launch(self, script, nproc, *args, env=None):

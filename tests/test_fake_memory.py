@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fake_memory
-from conftest import ROOT
+from conftest import ROOT, Runner
 from test_fake_cuda import audit, output
 
 MiB = 2**20
@@ -69,6 +69,17 @@ def test_out_of_memory_past_a_rank_budget(fm, monkeypatch):
                        r"has a total capacity of 2\.86 MiB of which 881\.69 KiB is free\..*asked at here:3"):
         fm.allocated(storage(2 * MiB), "cuda:1", "here:3")
     assert fm.memory(1).allocated == MiB  # the refused block was not counted
+
+
+def test_the_job_ends_when_any_rank_fails(tmp_path):
+    """The harness stops a job as torchrun does: when rank 1 fails first, at once, with rank 1's exit code (not when
+    rank 0, waiting in a collective, would time out: the test below would wait a minute for it)."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n    sys.exit(3)\n"
+                      "time.sleep(120)\nprint('rank 0 finished')\n")
+    job = Runner(tmp_path).spawn(str(script), 2, [], timeout=60)
+    assert job.returncode == 3 and "rank 0 finished" not in job.stdout, (job.returncode, job.stdout, job.stderr)
 
 
 def test_a_run_out_of_memory_on_one_rank(tmp_path):
