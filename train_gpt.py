@@ -139,7 +139,9 @@ class CharData:
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.uint8 if len(self.chars) <= 256 else torch.int32)
         n = int(0.9 * len(ids))
-        self.train, self.val, self.block_size = ids[:n], ids[n:], block_size
+        self.train = ids[:n]
+        self.val = ids[n:]
+        self.block_size = block_size
         if len(self.val) <= block_size + 1:
             raise SystemExit(f"error: the text has {len(text)} characters, too few for --block_size {block_size}; "
                              "use a larger file or a smaller --block_size")
@@ -286,7 +288,9 @@ class LossScaler:
             self.good_steps += 1
             self.scale *= 2.0 if self.good_steps % self.window == 0 else 1.0
         elif self.enabled:
-            self.scale, self.good_steps, self.skipped = max(self.scale / 2, self.floor), 0, self.skipped + 1
+            self.scale = max(self.scale / 2, self.floor)
+            self.good_steps = 0
+            self.skipped += 1
 
 scaler = LossScaler()  # main() turns it on for fp16; every engine's clip_coef reads it
 
