@@ -11,7 +11,7 @@ moves them: forward(*args) -> the model's output, backward(loss, sync), step(lr)
 (Ψ'); and for checkpoints and the ledgers grad(p) -> (lo, view) of p's averaged gradient this rank holds,
 model_states(), state_pieces(), resume(step). The device layer, meters, options and checkpoints come after the stages.
 """
-import contextlib, math, time, zlib
+import math, zlib
 from dataclasses import dataclass
 
 import torch
@@ -20,13 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (checkpoint.py saves the training state)
 
-from checkpoint import (checkpoint_due, consolidate, load_checkpoint, load_consolidated, plan_checkpoints,
-                        save_checkpoint)
+from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_checkpoints, save_checkpoint
 from options import Misuse, check_args, gpt_config, load_text, parse_args, require
 from devices import (OPENMP, build_cpu_adam, cpu_adam_cflags, cpu_adam_isa, cpu_adam_source, from_rank0,  # noqa: F401
                      init_distributed, pick_device, pick_dtype, set_cpu_adam_threads, stop)
-from instruments import (PeakMemory, Timeline, comm, evaluate, finish, holdings, log, log_due, pinned_bytes, progress,
-                         summarize, timeline)
+from instruments import Run, check_profile, comm, evaluate, finish, holdings, pinned_bytes, summarize
 
 # ----------------------------------------------------------------------------------------------------------
 # The model: nanoGPT's decoder (pre-LayerNorm blocks, GELU MLP, LM head tied to the token embedding), without
@@ -410,90 +408,65 @@ def build_model(Engine, cfg, device, dtype, checkpoint_activations=False):
             return GPT(cfg, checkpoint_activations).to(dtype=dtype)
     return GPT(cfg, checkpoint_activations).to(device=device, dtype=dtype)
 
+def pick_run_dtype(args, device, rank, stage):
+    """The run's dtype (--dtype, or auto's choice), rank 0's for every rank (a timed probe must not split them), said
+    by rank 0 with the reason; in fp16, the loss scaler turned on."""
+    dtype, why = from_rank0(pick_dtype(args.dtype, device) if rank == 0 else None)
+    args.dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    scaler.__init__(enabled=dtype == torch.float16)
+    if rank == 0:
+        print(f"{stage}: {args.dtype} ({why})" + f"; loss scale from {scaler.scale:g}" * scaler.enabled, flush=True)
+    return dtype
+
 def main(Engine, stage, distributed=True, formula=None):
-    """Train with `Engine`; `stage` names the run, `formula` the stage whose memory model applies (default: stage)."""
+    """Train with `Engine`; `stage` names the run, `formula` the stage whose memory model applies (default: stage).
+    Build, train, report. What a step records besides training (the memory meter, --profile's and --timeline's step,
+    the log, the checkpoints) is `run`'s (instruments.Run), and so is the run's report."""
     args = parse_args(Engine, PRESETS, GPTConfig)
     if args.consolidate:
         return consolidate(*args.consolidate)
     if args.sample:
         return print(sample_text(load_consolidated(args.sample), args, pick_device(args.device, 0)))
+
+    # build: the device, the data, the dtype, the steps to take, the model and its engine
     cfg = gpt_config(args, PRESETS, GPTConfig)
     rank, world_size, device = init_distributed(args) if distributed else (0, 1, pick_device(args.device, 0))
     check_args(args, world_size, rank)
     data = CharData(load_text(args.data), cfg.block_size)
     cfg.vocab_size = max(cfg.vocab_size, len(data.chars))
-    dtype, why = from_rank0(pick_dtype(args.dtype, device) if rank == 0 else None)  # a timed probe must not split ranks
-    args.dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    scaler.__init__(enabled=dtype == torch.float16)
-    if rank == 0:
-        print(f"{stage}: {args.dtype} ({why})" + f"; loss scale from {scaler.scale:g}" * scaler.enabled, flush=True)
-    where, manifest, start, end, ckpt_dir = plan_checkpoints(args, cfg, data.chars, rank, world_size)
-    if args.profile and end - start < 2:  # the one step is the memory meter's, whose profiler cannot run in another
-        stop(f"error: --profile {args.profile}: this run trains one step (from step {start} to {end}), which the "
-             f"memory meter measures; train 2 steps or more to profile one", rank)
-
+    dtype = pick_run_dtype(args, device, rank, stage)
+    plan = plan_checkpoints(args, cfg, data.chars, rank, world_size)  # the steps [start, end), the checkpoints
+    check_profile(args, plan, rank)
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
     model = build_model(Engine, cfg, device, dtype, args.checkpoint_activations)
     engine = Engine(model, args, device)
-    trace = Timeline.start(args.timeline, engine, model, device, rank, stage, step=end - 1)  # (the last step)
     th = theory(formula or stage, engine.padded_numel, world_size, dtype, args, device)
-    if rank == 0:
-        print(f"{stage}: {sum(p.numel() for p in model.parameters()):,} parameters (Ψ), "
-              f"padded to {engine.padded_numel:,}; {world_size} rank(s) on {device.type}; model states per rank "
-              f"{th['formula']} = {sum(th['states'].values()) / 2**20:.2f} MiB in theory; unigram loss "
-              f"{data.unigram_loss:.3f}", flush=True)
-    history = {k: manifest[k] if manifest else [] for k in ("losses", "grad_norms", "val_losses")}  # (resumed: its own)
-    if manifest:  # this rank's state, the step (and fp16's loss scale) from the checkpoint
-        start = load_checkpoint(where, manifest, engine, device, stage, scaler)
-    measure_step = start if start else min(1, end - 1)  # step 0 creates Adam's moments; step 1 is the steady state
-    # --profile's step: one no other profiler watches (on a CPU the memory meter's, on a GPU --timeline's, the last)
-    watched = {measure_step} if device.type == "cpu" else {end - 1} if args.timeline else set()
-    unwatched = [s for s in (measure_step + 1, measure_step - 1, measure_step) if start <= s < end and s not in watched]
-    profile_step = unwatched[0] if args.profile else None  # (--profile: 2 steps or more, one of them unwatched)
-    measured, step_times, bar = dict(peak=0), [], progress(range(start, end), start, args, rank)
-    unread = []  # (loss, grad norm) tensors of the steps since the history was last read
-    for step in bar:
-        t0 = time.perf_counter()
-        measuring = step == measure_step
-        profiled = args.profile and step == profile_step
-        comm.sent.clear()
-        skips = scaler.skipped  # the steps fp16's scaler has skipped: if this step adds one, it was skipped
+    run = Run(stage, args, cfg, plan, engine=engine, data=data, th=th, scaler=scaler, device=device, rank=rank,
+              world_size=world_size, distributed=distributed)
+    run.announce()  # rank 0: Ψ, and the model states per rank the paper's formula gives for this stage
+    if plan.manifest:  # this rank's state, the step (and fp16's loss scale) from the checkpoint
+        load_checkpoint(plan.where, plan.manifest, engine, device, stage, scaler)
+
+    # train: an optimizer step over the global batch at a time
+    for step in run.steps():
         try:
-            with PeakMemory(device) if measuring else contextlib.nullcontext() as meter, \
-                    timeline(args.profile, rank, device) if profiled else contextlib.nullcontext(), \
-                    trace.window(step) if trace else contextlib.nullcontext():
-                loss, grad_norm, sent = train_step(engine, data, args, step, device, measured if measuring else None)
+            with run.watch(step) as measured:  # measured: a dict at the step the memory meter measures, else None
+                loss, grad_norm, sent = train_step(engine, data, args, step, device, measured)
         except NonFiniteGradNorm as e:  # every rank meets it at the same step: the norm is global
             stop(f"error: step {step}: the global gradient norm is {e}, so no update was made"
-                 + (f"; the checkpoints in {ckpt_dir} are intact" if ckpt_dir else "")
+                 + (f"; the checkpoints in {plan.ckpt_dir} are intact" if plan.ckpt_dir else "")
                  + f"; lower --lr (it is {args.lr}) or --warmup's start, or check --data", rank)
-        if meter:
-            measured.update(peak=meter.peak, sent=sent)
-        elif not profiled:  # (a profiled step runs slower: not timed)
-            step_times.append(time.perf_counter() - t0)
-        unread.append((loss, grad_norm))
-        logged = log_due(step, end, args)
-        saving = ckpt_dir and checkpoint_due(step, end, args)
-        if logged or saving:  # all of them at once: the host waits for the device here, not twice every step
-            history["losses"] += torch.stack([loss for loss, _ in unread]).tolist()
-            history["grad_norms"] += torch.stack([norm for _, norm in unread]).tolist()
-            unread.clear()
+        run.record(step, loss, grad_norm, sent)  # the history, read from the device at the steps that log or save
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
-            history["val_losses"].append((step + 1, evaluate(engine, data, args, device)))
-        log(bar, rank, stage, step, end=end, args=args, loss=history["losses"][-1] if logged else None,
-            tokens=args.batch_size * cfg.block_size, step_times=step_times, peak=measured["peak"],
-            scaler=vars(scaler), skipped=scaler.skipped > skips)
-        if saving:
-            meta = dict(stage=stage, config=vars(cfg), chars="".join(data.chars), **history,
-                        params={n: list(p.shape) for n, p in trained(model)}, loss_scaler=vars(scaler))
-            save_checkpoint(ckpt_dir, engine, step + 1, meta, device)
+            run.history["val_losses"].append((step + 1, evaluate(engine, data, args, device)))
+        run.log(step)
+        if run.saves(step):
+            save_checkpoint(plan.ckpt_dir, engine, step + 1, run.checkpoint_meta(), device)
 
-    summary = summarize(stage, args, cfg, data=data, engine=engine, history=history, measured=measured,
-                        step_times=step_times, th=th, start=start, end=end, world_size=world_size, device=device)
-    summary["loss_scaler"] = vars(scaler)
-    finish(summary, th, args, engine=engine, end=end, ckpt_dir=ckpt_dir, device=device, distributed=distributed,
-           sample=lambda master: sample_text(dict(config=vars(cfg), chars=data.chars, state_dict=master), args, device))
-    # (finish: the report, the files asked for, the exit)
+    # report: rank 0's summary (--out), memory table and sample; then every rank's orderly exit
+    summary = summarize(run)
+    finish(run, summary, sample=lambda master: sample_text(
+        dict(config=vars(cfg), chars=data.chars, state_dict=master), args, device))
 
 if __name__ == "__main__":
     main(SingleDeviceEngine, stage="reference", distributed=False)
