@@ -33,6 +33,7 @@ back (resume).
 """
 import glob, hashlib, json, math, os, shutil
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -148,12 +149,24 @@ def open_checkpoint(path, cfg, chars, part=(0, 1)):
             raise SystemExit(f"error: checkpoint {where}: {shards[i]['file']} {problem}; {hint}")
     return where, manifest
 
+@dataclass
+class CheckpointPlan:
+    """What plan_checkpoints decided before any work: the steps [start, end) this run takes, and the checkpoints."""
+    where: str | None  # the checkpoint it resumes (a step_* directory), or None
+    manifest: dict | None  # that checkpoint's manifest.json, or None
+    start: int  # the first step: the checkpoint's, or 0
+    end: int  # the step it stops before: --steps, or --stop_after
+    ckpt_dir: str | None  # where it saves (--ckpt_dir, else the directory it resumed from), or None: no checkpoints
+
 def plan_checkpoints(args, cfg, chars, rank, world_size):
     """Before any work: the checkpoint to resume (it must fit this model and data, and each rank checks its share of
     the shards' hashes), the steps [start, end) this run takes, and where it saves: never over another run's
     checkpoints, nor over this run's later ones. Rank 0 picks the checkpoint: on a shared file system a rank's view of
-    a directory can lag, and ranks that each took "the newest" could resume different steps. Every refusal is agreed."""
-    where, manifest, error = None, None, None
+    a directory can lag, and ranks that each took "the newest" could resume different steps. Every refusal is agreed.
+    A CheckpointPlan."""
+    where = None
+    manifest = None
+    error = None
     newest = from_rank0(find_checkpoint(args.resume) if rank == 0 else None) if args.resume else None
     try:
         if args.resume:  # rank 0's choice (or, if it found none, each rank's own search, to refuse it alike)
@@ -171,7 +184,7 @@ def plan_checkpoints(args, cfg, chars, rank, world_size):
     except SystemExit as e:
         error = str(e)
     agree(error)
-    return where, manifest, start, end, ckpt_dir
+    return CheckpointPlan(where=where, manifest=manifest, start=start, end=end, ckpt_dir=ckpt_dir)
 
 def saved_pieces(where, manifest):
     """Every piece a checkpoint holds, as (name, lo, hi, {"master": values, "exp_avg": ..., "exp_avg_sq": ...})."""

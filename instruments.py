@@ -4,6 +4,8 @@ algorithm: the bytes each collective sends (`comm`), the bytes of the tensors an
 tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
 a timeline of one step (--timeline DIR, for bench/timeline.py), a torch.profiler trace of one (--profile DIR), the
 validation loss, the progress shown, and the end of a run (finish: the report, the files asked for, the exit).
+A Run (train_gpt.main's `run`) is a training run's bookkeeping: it applies these to the steps main's loop takes, and
+holds what summarize and finish report.
 """
 import contextlib, gc, json, math, os, sys, tempfile, time, warnings
 from collections import defaultdict
@@ -12,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from checkpoint import gather_master
-from devices import everyone
+from checkpoint import checkpoint_due, gather_master
+from devices import everyone, stop
 
 def pinned_bytes(nbytes):
     """What PyTorch's pinned-memory cache (CachingHostAllocator) takes for a pinned allocation of nbytes: rounded up to
@@ -585,48 +587,166 @@ def evaluate(engine, data, args, device):
     return total.item() / args.eval_batches
 
 def progress(steps, start, args, rank):
-    """A progress bar on a terminal (rank 0); otherwise the steps themselves, and log() prints a line now and then."""
+    """A progress bar on a terminal (rank 0); otherwise the steps themselves, and Run.log prints a line now and then."""
     if rank == 0 and not args.no_progress and sys.stderr.isatty():
         from tqdm import tqdm
         return tqdm(steps, initial=start, total=args.steps, dynamic_ncols=True)
     return steps
 
 def log_due(step, end, args):
-    """Does log() show this step's loss? Every max(1, steps // 10)th step and the last: main reads the losses then."""
+    """Does Run.log show this step's loss? Every max(1, steps // 10)th step and the last: Run.record reads them then."""
     return step + 1 == end or (step + 1) % max(1, args.steps // 10) == 0
 
-def log(bar, rank, stage, step, *, end, args, loss, tokens, step_times, peak, scaler=None, skipped=False):
-    """Rank 0's word on a step: at the steps log_due names (loss: a float there, None elsewhere), the bar's figures
-    (closed after the last step), or else a line. tokens: a step's, timed by the last of step_times (a step measured or
-    profiled is not timed). scaler: fp16's loss scaler's state (vars), whose scale and skipped steps the figures show;
-    a step it skipped gets a line."""
-    tok_s, fp16 = tokens / (step_times or [math.inf])[-1], bool(scaler and scaler["enabled"])
-    if rank == 0 and fp16 and skipped and not args.no_progress:
-        line = (f"{stage}: step {step + 1}: the fp16 gradient overflowed (on some rank), so every rank skipped the step; "
-                f"loss scale now {scaler['scale']:g}")
-        bar.write(line) if hasattr(bar, "write") else print(line, flush=True)
-    if loss is None:
-        return
-    if rank == 0 and hasattr(bar, "set_postfix"):
-        scaling = dict(scale=f"{scaler['scale']:g}", skipped=scaler["skipped"]) if fp16 else {}
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=f"{peak / 2**20:.1f}MiB", **scaling)
-        if step + 1 == end:
-            bar.close()
-    elif rank == 0 and not args.no_progress:
-        k = scaler["skipped"] if fp16 else 0
-        scaling = f", loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if fp16 else ""
-        print(f"{stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s{scaling}", flush=True)
+def check_profile(args, plan, rank):
+    """--profile needs a step no other profiler watches: on a one-step run, that step is the memory meter's."""
+    if args.profile and plan.end - plan.start < 2:  # (the memory meter's profiler cannot run inside another)
+        stop(f"error: --profile {args.profile}: this run trains one step (from step {plan.start} to {plan.end}), which "
+             f"the memory meter measures; train 2 steps or more to profile one", rank)
 
-def summarize(stage, args, cfg, *, data, engine, history, measured, step_times, th, start, end, world_size, device):
+class Run:
+    """A training run's bookkeeping, kept out of train_gpt.main's loop, and what its report reads. A step is watched
+    (watch: the memory meter on one step, --profile's and --timeline's on theirs, the time of every other) and its
+    outcome recorded (record: the losses and gradient norms, read from the device only at the steps that log or save);
+    then rank 0 logs it (log), and a checkpoint is saved when due (saves, checkpoint_meta). At the end summarize and
+    finish read it: the history, what was measured on the measured step, the step times, the paper's model (th) and
+    the steps [start, end) this run took."""
+    def __init__(self, stage, args, cfg, plan, *, engine, data, th, scaler, device, rank, world_size, distributed):
+        self.stage = stage
+        self.args = args
+        self.cfg = cfg
+        self.engine = engine
+        self.data = data
+        self.th = th  # what the paper's model says this run holds and sends (train_gpt.theory)
+        self.scaler = scaler  # fp16's loss scaler (train_gpt.scaler): the log shows its scale and skipped steps
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed = distributed
+        self.start = plan.start
+        self.end = plan.end
+        self.ckpt_dir = plan.ckpt_dir
+        # the history: a resumed run's own, from its checkpoint
+        self.history = {k: plan.manifest[k] if plan.manifest else [] for k in ("losses", "grad_norms", "val_losses")}
+        self.measured = dict(peak=0)  # the measured step's: this rank's holdings, its peak, the bytes it sent
+        self.step_times = []  # seconds, of every step neither measured nor profiled
+        self.unread = []  # (loss, grad norm) tensors of the steps since the history was last read
+        self.trace = Timeline.start(args.timeline, engine, engine.model, device, rank, stage, step=self.end - 1)
+        self.bar = None  # the steps, as steps() shows them
+        self.skipped_before = 0  # the steps fp16's scaler had skipped before this one
+        # the memory meter's step: step 0 creates Adam's moments, step 1 is the steady state (or a resumed run's first)
+        self.measure_step = self.start if self.start else min(1, self.end - 1)
+        # --profile's step: one no other profiler watches (on a CPU the memory meter's, on a GPU --timeline's, the last)
+        if device.type == "cpu":
+            watched = {self.measure_step}
+        else:
+            watched = {self.end - 1} if args.timeline else set()
+        near = (self.measure_step + 1, self.measure_step - 1, self.measure_step)
+        unwatched = [s for s in near if self.start <= s < self.end and s not in watched]
+        self.profile_step = unwatched[0] if args.profile else None  # (check_profile: 2 steps or more, one unwatched)
+
+    def announce(self):
+        """Rank 0's word before the first step: Ψ, the padded count, the ranks, the model states per rank in theory
+        (the paper's formula for this stage), and the unigram loss (the loss of knowing character frequencies)."""
+        if self.rank != 0:
+            return
+        th = self.th
+        print(f"{self.stage}: {sum(p.numel() for p in self.engine.model.parameters()):,} parameters (Ψ), "
+              f"padded to {self.engine.padded_numel:,}; {self.world_size} rank(s) on {self.device.type}; model states "
+              f"per rank {th['formula']} = {sum(th['states'].values()) / 2**20:.2f} MiB in theory; unigram loss "
+              f"{self.data.unigram_loss:.3f}", flush=True)
+
+    def steps(self):
+        """The steps [start, end): a progress bar on a terminal (rank 0), else the range itself."""
+        self.bar = progress(range(self.start, self.end), self.start, self.args, self.rank)
+        return self.bar
+
+    @contextlib.contextmanager
+    def watch(self, step):
+        """Around train_step: yields the dict in which train_step records this rank's holdings at the measured step
+        (None at the others); the memory meter measures that step, --profile and --timeline their own, and every
+        other step is timed (a profiled step runs slower: not timed)."""
+        t0 = time.perf_counter()
+        measuring = step == self.measure_step
+        profiled = self.args.profile and step == self.profile_step
+        comm.sent.clear()
+        self.skipped_before = self.scaler.skipped  # if this step adds one, it was skipped
+        with contextlib.ExitStack() as windows:
+            meter = windows.enter_context(PeakMemory(self.device)) if measuring else None
+            if profiled:
+                windows.enter_context(timeline(self.args.profile, self.rank, self.device))
+            if self.trace:
+                windows.enter_context(self.trace.window(step))
+            yield self.measured if measuring else None
+        if meter:
+            self.measured.update(peak=meter.peak)
+        elif not profiled:
+            self.step_times.append(time.perf_counter() - t0)
+
+    def record(self, step, loss, grad_norm, sent):
+        """What train_step returned: the loss and the gradient norm (tensors on the device), the bytes sent. Read at
+        once at the steps that log or save: the host waits for the device there, not twice every step."""
+        if step == self.measure_step:
+            self.measured.update(sent=sent)
+        self.unread.append((loss, grad_norm))
+        if log_due(step, self.end, self.args) or self.saves(step):
+            self.history["losses"] += torch.stack([loss for loss, _ in self.unread]).tolist()
+            self.history["grad_norms"] += torch.stack([norm for _, norm in self.unread]).tolist()
+            self.unread.clear()
+
+    def saves(self, step):
+        """Does this run save a checkpoint after this step? (Only with a checkpoint directory.)"""
+        return bool(self.ckpt_dir) and checkpoint_due(step, self.end, self.args)
+
+    def checkpoint_meta(self):
+        """What a checkpoint's manifest keeps beside the state: the model, its vocabulary, the history, the scaler."""
+        params = {n: list(p.shape) for n, p in self.engine.model.named_parameters() if p.requires_grad}
+        return dict(stage=self.stage, config=vars(self.cfg), chars="".join(self.data.chars), **self.history,
+                    params=params, loss_scaler=vars(self.scaler))
+
+    def log(self, step):
+        """Rank 0's word on a step: at the steps log_due names, its loss and speed (a bar's figures, closed after the
+        last step, or a line); a step fp16's scaler skipped gets a line. The speed: a step's tokens over the last of
+        step_times (a step measured or profiled is not timed)."""
+        args = self.args
+        scaler = vars(self.scaler)
+        tokens = args.batch_size * self.cfg.block_size
+        tok_s = tokens / (self.step_times or [math.inf])[-1]
+        fp16 = scaler["enabled"]
+        if self.rank == 0 and fp16 and scaler["skipped"] > self.skipped_before and not args.no_progress:
+            line = (f"{self.stage}: step {step + 1}: the fp16 gradient overflowed (on some rank), so every rank "
+                    f"skipped the step; loss scale now {scaler['scale']:g}")
+            self.bar.write(line) if hasattr(self.bar, "write") else print(line, flush=True)
+        if not log_due(step, self.end, args):
+            return
+        loss = self.history["losses"][-1]
+        if self.rank == 0 and hasattr(self.bar, "set_postfix"):
+            scaling = dict(scale=f"{scaler['scale']:g}", skipped=scaler["skipped"]) if fp16 else {}
+            mem = f"{self.measured['peak'] / 2**20:.1f}MiB"
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=mem, **scaling)
+            if step + 1 == self.end:
+                self.bar.close()
+        elif self.rank == 0 and not args.no_progress:
+            k = scaler["skipped"] if fp16 else 0
+            scaling = f", loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if fp16 else ""
+            print(f"{self.stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s{scaling}",
+                  flush=True)
+
+def summarize(run):
     """The run's JSON summary (--out): losses, speed, and every ledger beside its formula; rank 0's, and every rank's
     model states and peak."""
-    timed = sorted(step_times[1:] or step_times)  # the first step warms up
+    args = run.args
+    cfg = run.cfg
+    th = run.th
+    measured = run.measured
+    history = run.history
+    timed = sorted(run.step_times[1:] or run.step_times)  # the first step warms up
     states, sent, ranks = measured["states"], measured["sent"], everyone((measured["states"], measured["peak"]))
     where = measured.get("where")  # measured on a GPU; on a CPU, the plan's (th["host"])
-    return dict(stage=stage, world_size=world_size, n_params=sum(p.numel() for p in engine.model.parameters()),
-                padded_numel=engine.padded_numel, dtype=args.dtype, device=device.type, config=vars(cfg), args=vars(args),
-                **history, val_loss=history["val_losses"][-1][1] if history["val_losses"] else None, steps_done=end,
-                resumed_from=start, unigram_loss=data.unigram_loss,
+    return dict(stage=run.stage, world_size=run.world_size,
+                n_params=sum(p.numel() for p in run.engine.model.parameters()),
+                padded_numel=run.engine.padded_numel, dtype=args.dtype, device=run.device.type, config=vars(cfg),
+                args=vars(args), **history, val_loss=history["val_losses"][-1][1] if history["val_losses"] else None,
+                steps_done=run.end, resumed_from=run.start, unigram_loss=run.data.unigram_loss,
                 tokens_per_s=args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0,
                 peak_memory_bytes=measured["peak"], other_tensor_bytes=measured["other"],
                 pinned_host_bytes={"measured": measured["pinned"], "theory": th["pinned"]},
@@ -634,10 +754,12 @@ def summarize(stage, args, cfg, *, data, engine, history, measured, step_times, 
                                        "where": where.get(k) if where else "host" if k in th["host"] else "device"}
                                    for k, v in th["states"].items()},
                 model_state_bytes_per_rank=[s for s, _ in ranks], peak_memory_bytes_per_rank=[p for _, p in ranks],
-                activation_checkpoints=activation_checkpoints(args, cfg, world_size),
+                activation_checkpoints=activation_checkpoints(args, cfg, run.world_size),
                 comm_bytes_per_step={"measured": sum(sent.values()), "theory": sum(th["comm"].values()),
-                                     "by_collective": {k: {"measured": sent.get(k, 0.0), "theory": th["comm"].get(k, 0.0)}
-                                                       for k in sorted(set(sent) | set(th["comm"]))}})
+                                     "by_collective": {k: {"measured": sent.get(k, 0.0),
+                                                           "theory": th["comm"].get(k, 0.0)}
+                                                       for k in sorted(set(sent) | set(th["comm"]))}},
+                loss_scaler=vars(run.scaler))
 
 def activation_checkpoints(args, cfg, world_size):
     """With --checkpoint_activations, what backward keeps of each block: its input alone, one micro-batch of this rank
@@ -669,30 +791,33 @@ def report(summary, th):
         print(f"pinned host memory {s['pinned_host_bytes']['measured'] / 2**20:.2f} MiB (theory {th['pinned'] / 2**20:.2f}: "
               f"PyTorch rounds each pinned allocation up to a power of two)")
 
-def finish(summary, th, args, *, engine, end, ckpt_dir, device, distributed, sample):
+def finish(run, summary, sample):
     """The end of a run: the report and the files asked for (rank 0), and every rank's orderly exit. sample(master):
     the text the GPT writes with the final fp32 weights."""
-    stage, stopped, rank = summary["stage"], end < args.steps, dist.get_rank() if distributed else 0
-    engine.state_pieces()  # the state is final: with --delayed_update the update in flight lands, or raises its error
-    master = gather_master(engine) if args.save_master or (args.sample_chars and not stopped) else None  # collective
-    if rank == 0:
-        report(summary, th)
+    args = run.args
+    stage = run.stage
+    stopped = run.end < args.steps
+    run.engine.state_pieces()  # the state is final: with --delayed_update the update in flight lands, or raises
+    sampled = args.sample_chars and not stopped
+    master = gather_master(run.engine) if args.save_master or sampled else None  # (a collective)
+    if run.rank == 0:
+        report(summary, run.th)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=1)
         if args.save_master:
             torch.save(master, args.save_master)
         if stopped:
-            print(f"{stage}: stopped after step {end} of {args.steps} (--stop_after)"
-                  + (f"; continue with --resume {ckpt_dir}" if ckpt_dir else ""))
+            print(f"{stage}: stopped after step {run.end} of {args.steps} (--stop_after)"
+                  + (f"; continue with --resume {run.ckpt_dir}" if run.ckpt_dir else ""))
         elif args.sample_chars:
             whole = 4 * summary["n_params"]  # sampling builds the whole model in fp32 on one device
-            if device.type == "cuda" and whole > torch.cuda.mem_get_info(device)[0] // 2:
+            if run.device.type == "cuda" and whole > torch.cuda.mem_get_info(run.device)[0] // 2:
                 print(f"{stage}: no sample: the whole fp32 model ({whole / 2**30:.1f} GiB) would not fit beside the "
-                      f"run on {device}; consolidate a checkpoint and sample it with --sample")
+                      f"run on {run.device}; consolidate a checkpoint and sample it with --sample")
             else:
                 print(sample(master))
-    if distributed:
+    if run.distributed:
         dist.barrier()
         dist.destroy_process_group()
         sys.stdout.flush(), sys.stderr.flush()
