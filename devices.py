@@ -166,7 +166,7 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "scalar": [],  # portable C++: the only path on aarch64 and other CPUs (no x86 flags there)
 }
-OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple's compiler has none: the kernel then runs on one thread
+OPENMP = () if sys.platform == "darwin" else ("-fopenmp",)  # Apple's compiler has none: the kernel then runs 1 thread
 
 def cpu_adam_isas():
     """The kernel's code paths this CPU can run, best first, from torch.backends.cpu.get_cpu_capability() (which
@@ -187,6 +187,11 @@ def cpu_adam_cflags(isa):
     """-ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike. -fno-math-errno: sqrt
     without a branch to set errno, so the portable loop can be vectorised."""
     return ["-O3", "-ffp-contract=off", "-fno-math-errno", *OPENMP, *ISA_FLAGS[isa]]
+
+def cpu_adam_ldflags():
+    """A new list at each call: load_inline appends torch's libraries to the list it is given, and a build whose
+    flags changed is compiled again (a second code path in the same process would be)."""
+    return list(OPENMP)
 
 def build_cpu_adam(isa, build):
     """build() once per code path and process: a missing compiler or ninja is one error that names the fix, and the

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 import pytest
 import torch
+import torch.utils.cpp_extension
 
 import devices
 from devices import adam_threads, cpu_adam_isas
@@ -409,6 +410,21 @@ def test_the_benchmarks_ceiling_is_a_build_of_its_own():
         touch.touch_28_bytes(p, g, m, v, tile, prefetch, stream)
         assert torch.equal(p, 1 + g) and torch.equal(m, g) and torch.equal(v, 2 + g), (tile, prefetch, stream)
     assert touch.isa() == RUNNABLE[0] and not hasattr(load_cpu_adam(RUNNABLE[0]), "touch_28_bytes")
+
+
+def test_each_path_built_once_loads_beside_the_others_without_a_compile():
+    """Each code path built in a process of its own (as .ci/run builds them), then every path loaded in one process:
+    none is compiled again. (load_inline appends torch's libraries to the extra_ldflags list it is given: were that
+    list shared by the builds, the second path's flags would change, and torch would compile it again.)"""
+    load = "import sys; from offload import load_cpu_adam; [load_cpu_adam(isa) for isa in sys.argv[1:]]"
+    for isa in RUNNABLE:
+        subprocess.run([sys.executable, "-c", load, isa], cwd=ROOT, check=True, capture_output=True, timeout=900)
+    builds = [Path(torch.utils.cpp_extension._get_build_directory(f"cpu_adam_{isa}", False)) / f"cpu_adam_{isa}.so"
+              for isa in RUNNABLE]
+    built = [b.stat().st_mtime_ns for b in builds]
+    subprocess.run([sys.executable, "-c", load, *RUNNABLE], cwd=ROOT, check=True, capture_output=True, timeout=900)
+    again = [b.name for b, before in zip(builds, built) if b.stat().st_mtime_ns != before]
+    assert not again, f"loaded beside the other paths, these were compiled again: {again}"
 
 
 def test_default_path_and_override(monkeypatch):
