@@ -183,15 +183,13 @@ def cpu_adam_isa(isa=None):
                            f"{torch.backends.cpu.get_cpu_capability()}); CPU_ADAM_ISA can be {', '.join(runnable)}")
     return isa
 
-def cpu_adam_cflags(isa):
-    """-ffp-contract=off: the compiler adds no FMAs of its own, so every code path rounds alike. -fno-math-errno: sqrt
-    without a branch to set errno, so the portable loop can be vectorised."""
-    return ["-O3", "-ffp-contract=off", "-fno-math-errno", *OPENMP, *ISA_FLAGS[isa]]
-
-def cpu_adam_ldflags():
-    """A new list at each call: load_inline appends torch's libraries to the list it is given, and a build whose
-    flags changed is compiled again (a second code path in the same process would be)."""
-    return list(OPENMP)
+def cpu_adam_flags(isa):
+    """load_inline's compiler and linker flags for code path `isa`, new lists at each call (load_inline appends torch's
+    libraries to the list it is given; a build whose flags changed is compiled again). -ffp-contract=off: the compiler
+    adds no FMAs of its own, so every code path rounds alike. -fno-math-errno: sqrt without a branch to set errno, so
+    the portable loop can be vectorised."""
+    cflags = ["-O3", "-ffp-contract=off", "-fno-math-errno", *OPENMP, *ISA_FLAGS[isa]]
+    return {"extra_cflags": cflags, "extra_ldflags": list(OPENMP)}
 
 def build_cpu_adam(isa, build):
     """build() once per code path and process: a missing compiler or ninja is one error that names the fix, and the
@@ -207,7 +205,7 @@ def build_cpu_adam(isa, build):
         try:
             mod = build()
         except Exception as e:
-            raise RuntimeError(f"could not build cpu_adam.cpp for {isa} with {cpu_adam_cflags(isa)}: the compiler's "
+            raise RuntimeError(f"could not build cpu_adam.cpp for {isa} with {cpu_adam_flags(isa)}: the compiler's "
                                f"errors are above\n{type(e).__name__}: {str(e)[:2000]}") from e
         if mod.isa() != isa:  # the flags did not give the path asked for (a compiler that ignores them?)
             raise RuntimeError(f"cpu_adam: built for {isa} with {ISA_FLAGS[isa]} but compiled the {mod.isa()} path")

@@ -23,8 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.cpp_extension
 
-from devices import (build_cpu_adam, cpu_adam_cflags, cpu_adam_isa, cpu_adam_ldflags, cpu_adam_source,
-                     set_cpu_adam_threads)
+from devices import build_cpu_adam, cpu_adam_flags, cpu_adam_isa, cpu_adam_source, set_cpu_adam_threads
 from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, trained
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
@@ -33,8 +32,7 @@ def load_cpu_adam(isa=None, announce=False, spare=0):
 
     def build():  # (the module's Python bindings are cpu_adam.cpp's own: its arguments have names)
         return torch.utils.cpp_extension.load_inline(f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()],
-                                                     extra_cflags=cpu_adam_cflags(isa),
-                                                     extra_ldflags=cpu_adam_ldflags())
+                                                     **cpu_adam_flags(isa))  # OpenMP, the path's instructions
     module = build_cpu_adam(isa, build)  # once per code path and process; a missing compiler is one clear error
     return set_cpu_adam_threads(module, spare, announce)
 

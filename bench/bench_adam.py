@@ -29,7 +29,7 @@ import torch.utils.cpp_extension
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from devices import cpu_adam_cflags, cpu_adam_ldflags  # noqa: E402
+from devices import cpu_adam_flags  # noqa: E402
 from offload import load_cpu_adam  # noqa: E402
 from results import add_flag, cpu_model, publish  # noqa: E402,F401 (cpu_model: bench/largest.py takes it from here)
 
@@ -55,7 +55,7 @@ def load_touch(isa):
     mod = torch.utils.cpp_extension.load_inline(
         name=f"bench_touch_{isa}", cpp_sources=[(ROOT / "bench" / "touch.cpp").read_text()],
         functions=["touch_28_bytes", "touch_can_stream", "set_threads", "isa"], extra_include_paths=[str(ROOT)],
-        extra_cflags=cpu_adam_cflags(isa), extra_ldflags=cpu_adam_ldflags())
+        **cpu_adam_flags(isa))
     if mod.isa() != isa:
         raise RuntimeError(f"bench/touch.cpp: built for {isa} but compiled the {mod.isa()} path")
     return mod
