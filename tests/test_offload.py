@@ -1,7 +1,7 @@
 """offload.py beyond the checks every stage gets (test_stages.py runs those on it too): the parameter shard offloaded
 as well, the one-step-delayed update against a reference that applies each update one step late, and where each
-model state lives; every mode again on a simulated asynchronous device, where a missing wait changes the numbers;
-every device-host copy's host end allocated to be pinned; and a failed background update stopping the run."""
+model state lives; every device-host copy's host end allocated to be pinned; and a failed background update stopping
+the run. (Stream order, a missing wait among them, is the fake CUDA device's: test_fake_mutations_streams.py.)"""
 import json
 import os
 import sys
@@ -12,7 +12,8 @@ from conftest import ROOT, Runner
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference  # noqa: F401
 
 OFFLOAD = str(ROOT / "offload.py")
-# Copies' simulated stream (tests/simulated_stream/sitecustomize.py): a copy lands when a wait covers it
+# Copies' simulated stream (tests/simulated_stream/sitecustomize.py): a copy lands when a wait covers it (for
+# test_any_model.py's example, which reads gradients through grad())
 SIMULATED = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "simulated_stream"), str(ROOT)])}
 
 DELAYED_REFERENCE = '''
@@ -162,43 +163,6 @@ def test_delayed_update_second_gradient_shard_is_in_the_formula(runner):
     for category, v in s["model_state_bytes"].items():
         assert v["measured"] == v["theory"], f"{category}: measured {v['measured']:,}, formula {v['theory']:,}"
     assert s["model_state_bytes"]["grads"]["theory"] == 2 * s["model_state_bytes"]["params"]["theory"]
-
-
-# ---- a simulated asynchronous device: on CPU, Copies' copies are plain and synchronous, so a missing wait would not
-# show; on the simulated stream a copy lands only when a wait on an event covering it comes, reading its source
-# then, as a CUDA copy stream may. A missing wait, or a buffer reused before its copy has landed, changes the numbers.
-
-@pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize("mode", ["plain", "offload_params", "delayed_update"])
-def test_simulated_stream_parity(runner, reference, delayed_reference, mode, nproc):
-    """Every mode, with --grad_accum 2 (TRAIN's), equals its reference when copies land only at the waits."""
-    got = runner.run(OFFLOAD, nproc, *MODEL, *TRAIN, *([] if mode == "plain" else [f"--{mode}"]), env=SIMULATED)
-    expected = delayed_reference if mode == "delayed_update" else reference
-    assert_same_training(expected, got, f"offload ({mode}) on the simulated stream at N={nproc}")
-
-
-def broken_offload(tmp_path, old, new):
-    """offload.py with `old` replaced by `new` (it builds the project's cpu_adam.cpp, wherever it lies)."""
-    source = (ROOT / "offload.py").read_text()
-    assert source.count(old) == 1, f"offload.py no longer contains {old!r} once: update this test"
-    path = tmp_path / "offload.py"
-    path.write_text(source.replace(old, new))
-    return str(path)
-
-
-@pytest.mark.parametrize("wait, flags", [
-    ("self.copies.host_waits(self.grads_on_host)", []),  # the step would read gradients still on their way down
-    ("self.copies.host_waits(self.copies.event())  # for the next forward", ["--delayed_update"]),  # and staging rewritten
-], ids=["gradients", "delayed_parameters"])
-def test_simulated_stream_catches_a_missing_wait(runner, reference, delayed_reference, tmp_path, wait, flags):
-    """Without one of its waits, offload.py still matches its reference on plain CPU copies (they are synchronous: the
-    mistake is invisible there), and no longer does on the simulated stream."""
-    path = broken_offload(tmp_path, wait, "pass  # the wait removed")
-    expected = delayed_reference if flags else reference
-    assert_same_training(expected, runner.run(path, 1, *MODEL, *TRAIN, *flags), "plain CPU copies, a wait removed")
-    got = runner.run(path, 1, *MODEL, *TRAIN, *flags, env=SIMULATED)
-    assert first_difference(expected.summary["losses"], got.summary["losses"], LOSS_ATOL) is not None, (
-        f"the simulated stream did not catch the removed wait {wait!r}: the losses still match the reference")
 
 
 # ---- --delayed_update: an exception in the update's thread stops the run, in the main thread, with one line
