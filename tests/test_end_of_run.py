@@ -59,7 +59,7 @@ def test_the_sample_at_the_end_costs_little_host_memory(tmp_path, script, nproc)
 
 
 @pytest.mark.parametrize("script", ["stage1.py", "stage3.py"])
-@pytest.mark.parametrize("steps", [40])
+@pytest.mark.parametrize("steps", [20])
 def test_one_host_sync_per_step(tmp_path, script, steps):
     """On the fake CUDA device (N = 2, fp32), the host synchronisations outside forward, backward and the batches:
     one a step (clip_coef's: skip the step or not), two at each step that logs (every steps // 10th: the losses and
