@@ -69,6 +69,7 @@ COVERED = {
     f'python -m pytest "tests/test_stages.py::test_parity_with_reference[student_stage2-2]" --stage {STUDENT}':
         "test_grading",
     "python -m pytest tests --gpu": "test_gpu_suite_skips_without_cuda",
+    "bash tests/gpu_check.sh runs/gpu_check": "tests/test_gpu_check.py::test_gpu_check_without_a_gpu",
     "python course/make_exercise.py stage2.py": "test_make_exercise",
     "python course/make_lessons.py": "test_make_lessons",
     # examples/README.md

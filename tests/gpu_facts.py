@@ -1,0 +1,160 @@
+"""The CUDA facts the fake device (tests/fake_cuda.py, fake_memory.py, fake_streams.py) models, read off a real GPU.
+
+    python tests/gpu_facts.py facts.json
+
+Each fact is measured on its own, and one that fails is recorded with its error, so that one run on a lent GPU
+reads them all. Without CUDA it writes {"cuda": false} and exits 0 (tests/gpu_check.sh runs it anywhere)."""
+import json
+import os
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MIB = 2**20
+
+
+def environment():
+    """The versions a GPU run depends on."""
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
+        "gpu": props.name,
+        "capability": list(torch.cuda.get_device_capability(0)),
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "gpus": torch.cuda.device_count(),
+        "bf16_native": torch.cuda.is_bf16_supported(including_emulation=False),
+    }
+
+
+def matmul_workspace():
+    """cuBLAS's workspace counts in memory_allocated: one per (handle, stream); autograd's backward thread has its own
+    handle. Each figure is the growth of memory_allocated beyond the tensors made."""
+    x = torch.randn(512, 512, device="cuda")
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    y = x @ x
+    torch.cuda.synchronize()
+    main_stream = torch.cuda.memory_allocated() - start - y.nbytes
+    side = torch.cuda.Stream()
+    start = torch.cuda.memory_allocated()
+    with torch.cuda.stream(side):
+        z = x @ x
+    torch.cuda.synchronize()
+    side_stream = torch.cuda.memory_allocated() - start - z.nbytes
+    w = torch.randn(512, 512, device="cuda", requires_grad=True)
+    loss = (w @ x).sum()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    loss.backward()
+    torch.cuda.synchronize()
+    backward_thread = torch.cuda.memory_allocated() - start - w.grad.nbytes
+    cleared = None
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        before = torch.cuda.memory_allocated()
+        torch._C._cuda_clearCublasWorkspaces()
+        cleared = before - torch.cuda.memory_allocated()
+    return {"main_stream_mib": main_stream / MIB, "side_stream_mib": side_stream / MIB,
+            "backward_thread_mib": backward_thread / MIB, "freed_by_clearCublasWorkspaces_mib": cleared and cleared / MIB}
+
+
+def resize_to_zero():
+    """ZeRO-3's free: a storage resized to 0 returns its block to the caching allocator at once, and the next
+    allocation of that size gets the same address, whatever still references the old storage."""
+    t = torch.empty(MIB, device="cuda")
+    address = t.data_ptr()
+    held = t.untyped_storage()
+    before = torch.cuda.memory_allocated()
+    t.untyped_storage().resize_(0)
+    after = torch.cuda.memory_allocated()
+    u = torch.empty(MIB, device="cuda")
+    return {"allocated_drop_bytes": before - after, "same_address_reused": u.data_ptr() == address,
+            "old_storage_nbytes": held.nbytes()}
+
+
+def nccl_stream():
+    """Which stream NCCL's kernels run on, for a sync and an async all-reduce, beside the current stream's kernels."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    x = torch.ones(MIB, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        x.mul_(2)
+        dist.all_reduce(x)
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        x.add_(1)
+        torch.cuda.synchronize()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = [(e["name"][:60], e["args"].get("stream")) for e in events if e.get("cat") == "kernel"]
+    dist.destroy_process_group()
+    return {"current_stream": torch.cuda.current_stream().stream_id, "kernels_and_streams": kernels}
+
+
+def pinned_and_syncs():
+    """zeros_like of a pinned tensor is not pinned; torch.tensor(x).to(cuda) synchronizes, torch.full does not."""
+    pinned = torch.empty(1024, pin_memory=True)
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.tensor(3.0).to("cuda")
+        from_tensor = len(caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.full((), 3.0, device="cuda")
+        from_full = len(caught)
+    torch.cuda.set_sync_debug_mode("default")
+    return {"zeros_like_of_pinned_is_pinned": torch.zeros_like(pinned).is_pinned(),
+            "syncs_tensor_to_cuda": from_tensor, "syncs_full_on_cuda": from_full}
+
+
+def thread_copy():
+    """A non_blocking device-to-host copy into pinned memory returns before the data is there (the host must wait on
+    an event), and one into pageable memory returns only when done."""
+    big = torch.randn(64 * MIB, device="cuda")
+    pinned = torch.empty(big.shape, pin_memory=True)
+    pageable = torch.empty(big.shape)
+    done = torch.cuda.Event()
+    torch.cuda.synchronize()
+    pinned.copy_(big, non_blocking=True)
+    done.record()
+    pinned_returned_before_done = not done.query()
+    torch.cuda.synchronize()
+    pageable.copy_(big, non_blocking=True)
+    done.record()
+    pageable_returned_before_done = not done.query()
+    torch.cuda.synchronize()
+    return {"pinned_d2h_returns_early": pinned_returned_before_done,
+            "pageable_d2h_returns_early": pageable_returned_before_done, "threads": threading.active_count()}
+
+
+def main():
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_facts.json")
+    if not torch.cuda.is_available():
+        out.write_text(json.dumps({"cuda": False}, indent=1))
+        print("gpu_facts: no CUDA; nothing measured")
+        return
+    facts = {"cuda": True}
+    for probe in (environment, matmul_workspace, resize_to_zero, pinned_and_syncs, thread_copy, nccl_stream):
+        try:
+            facts[probe.__name__] = probe()
+        except Exception:
+            facts[probe.__name__] = {"error": traceback.format_exc(limit=3)}
+    out.write_text(json.dumps(facts, indent=1))
+    print(json.dumps(facts, indent=1))
+
+
+if __name__ == "__main__":
+    main()
