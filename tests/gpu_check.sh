@@ -12,6 +12,7 @@
 #              kernels run on, a resize_(0) block handed straight back, which copies and constructors synchronize)
 #   cpu_adam   the C++ AdamW built for this host
 #   first      README's first command, with the GPU (stage 3, the tiny GPT)
+#   repeat     stage 3 in fp32 and bf16 run twice, and stopped and resumed: which are bit for bit on this GPU
 #   suite      tests/test_gpu.py --gpu: parity with the CUDA reference and the ledgers, every stage and offload mode
 #   overlap    tests/test_gpu.py --gpu -k overlap: copies and gathers beside compute kernels, from profiler traces
 #   timeline   bench/timeline.py on a real trace: stage 3 and offload, one rank
@@ -57,13 +58,38 @@ environment() {
   nproc
 }
 
-export py
-export -f environment
+# The same run twice, and stopped after 3 steps and resumed, per dtype: which agree bit for bit on this device.
+repeat() {
+  local dtype run
+  for dtype in fp32 bf16; do
+    run=("$py" stage3.py --preset tiny --steps 6 --eval_every 1000 --sample_chars 0 --no_progress --dtype "$dtype")
+    "${run[@]}" --out "$out/repeat_$dtype.a.json" --save_master "$out/repeat_$dtype.a.pt" > /dev/null || return 1
+    "${run[@]}" --out "$out/repeat_$dtype.b.json" --save_master "$out/repeat_$dtype.b.pt" > /dev/null || return 1
+    "${run[@]}" --stop_after 3 --ckpt_dir "$out/repeat_ckpt_$dtype" > /dev/null || return 1
+    "${run[@]}" --resume "$out/repeat_ckpt_$dtype" --out "$out/repeat_$dtype.c.json" \
+      --save_master "$out/repeat_$dtype.c.pt" > /dev/null || return 1
+  done
+  "$py" - "$out" <<'PY'
+import json, sys, torch
+out = sys.argv[1]
+for dtype in ("fp32", "bf16"):
+    runs = {k: (json.load(open(f"{out}/repeat_{dtype}.{k}.json")), torch.load(f"{out}/repeat_{dtype}.{k}.pt"))
+            for k in "abc"}
+    def same(k):
+        (sa, ma), (sb, mb) = runs["a"], runs[k]
+        return sa["losses"] == sb["losses"] and all(torch.equal(ma[n], mb[n]) for n in ma)
+    print(f"stage3 {dtype} on {runs['a'][0]['device']}: run twice bit for bit: {same('b')}; "
+          f"stopped and resumed bit for bit: {same('c')}")
+PY
+}
+export py out
+export -f environment repeat
 step env 60 bash -c environment
 step facts 120 "$py" tests/gpu_facts.py "$out/facts.json"
 step cpu_adam 240 "$py" -c "from offload import load_cpu_adam; load_cpu_adam(announce=True)"
 if [ $gpu -eq 1 ]; then
   step first 180 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 stage3.py --preset tiny --steps 300
+  step repeat 240 bash -c repeat
   step suite 420 "$py" -m pytest tests/test_gpu.py --gpu -q -k "parity or ledgers" -p no:cacheprovider
   step overlap 300 "$py" -m pytest tests/test_gpu.py --gpu -q -k overlap -p no:cacheprovider
   step timeline_stage3 180 "$py" bench/timeline.py stage3.py --nproc 1 --preset small --out "$out/timeline_stage3"
@@ -71,6 +97,7 @@ if [ $gpu -eq 1 ]; then
 else
   skip first "no CUDA GPU: README's first command runs on the CPU in tests/test_commands.py"
   step suite 600 "$py" -m pytest tests/test_gpu.py -q -k "parity and stage3" -p no:cacheprovider
+  skip repeat "no CUDA GPU: resume on the CPU is tests/test_checkpoint.py's, bit for bit"
   skip overlap "no CUDA GPU: overlap is read from a real GPU's profiler trace"
   # bench/timeline.py on the fake CUDA device in every process it starts (2 fake GPUs), at its smallest size.
   fake=(env PYTHONPATH="$PWD/tests/fake_cuda_site" FAKE_CUDA=2 FAKE_CUDA_FINDINGS="$out/fake_findings")

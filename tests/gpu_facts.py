@@ -140,6 +140,22 @@ def thread_copy():
             "pageable_d2h_returns_early": pageable_returned_before_done, "threads": threading.active_count()}
 
 
+def attention_determinism():
+    """Whether attention's backward (scaled_dot_product_attention, causal, as the GPT calls it) gives the same bits
+    twice on the same inputs, per dtype: flash and memory-efficient kernels may accumulate with atomics."""
+    import torch.nn.functional as F
+    same = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        grads = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(8, 6, 256, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum().backward()
+            grads.append(torch.cat([q.grad.flatten(), k.grad.flatten(), v.grad.flatten()]))
+        same[str(dtype).split(".")[1]] = torch.equal(grads[0], grads[1])
+    return {"backward_bit_identical_twice": same}
+
+
 def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_facts.json")
     if not torch.cuda.is_available():
@@ -147,7 +163,9 @@ def main():
         print("gpu_facts: no CUDA; nothing measured")
         return
     facts = {"cuda": True}
-    for probe in (environment, matmul_workspace, resize_to_zero, pinned_and_syncs, thread_copy, nccl_stream):
+    probes = (environment, matmul_workspace, resize_to_zero, pinned_and_syncs, thread_copy, attention_determinism,
+              nccl_stream)
+    for probe in probes:
         try:
             facts[probe.__name__] = probe()
         except Exception:

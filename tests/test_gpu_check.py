@@ -9,8 +9,8 @@ import subprocess
 
 from conftest import ROOT
 
-STEPS = ["env", "facts", "cpu_adam", "first", "suite", "overlap", "timeline_stage3", "timeline_offload"]
-NEED_A_GPU = ["first", "overlap"]
+STEPS = ["env", "facts", "cpu_adam", "first", "repeat", "suite", "overlap", "timeline_stage3", "timeline_offload"]
+NEED_A_GPU = ["first", "repeat", "overlap"]
 
 
 def test_gpu_check_without_a_gpu(tmp_path):
