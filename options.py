@@ -122,5 +122,9 @@ class Misuse:  # what an engine refuses, one line each (train_gpt.trained and ev
                    "micro-step")
     META = ("a tensor on the meta device that no engine can make: an engine makes trained parameters from the meta "
             "device with the model's init_weight(p), as GPT.init_weight; build the rest, or the model, on a device")
+    NOTHING_TRAINED = ("no parameter requires a gradient: an engine trains the parameters that require one; unfreeze "
+                       "some (requires_grad_(True)) before building the engine")
+    DTYPES = ("trained parameters of two dtypes, {} ({}) and {} ({}): an engine keeps them in one flat buffer of the "
+              "first one's dtype; cast the model to one dtype (model.to(dtype)) before building the engine")
     CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
                "replaced, requires_grad switched): build the engine after the model's last change")

@@ -1,0 +1,217 @@
+"""Models written the way DeepSpeed's and PyTorch's own test suites write theirs, trained 3 steps by each engine in
+this process (a world of one, fp32) against the single-process reference: layers called out of registration order
+and one of them twice (DeepSpeed's SimpleModel), outputs of any structure with non-tensors beside tensors, units
+nested in units, a unit's output that the loss does not use, a weight shared by two units. Each is right to 1e-5 or
+refused with one line that names the fix. Stage 3 and offload are the engines these patterns test; stages 0-2 train
+them too, as any engine must."""
+import dataclasses
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+from test_any_model import build, parse_args, world_of_one  # noqa: F401 (a fixture)
+from checkpoint import gather_master
+from train_gpt import Misuse, SingleDeviceEngine, lr_at
+
+WIDTH = 6
+Pair = namedtuple("Pair", "value note")
+
+
+@dataclasses.dataclass
+class Result:
+    value: torch.Tensor
+    name: str
+
+
+class OutOfOrder(nn.Module):
+    """DeepSpeed's SimpleModel pattern: layers called out of the order they were registered in, one of them twice."""
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+
+    def forward(self, x):
+        h = self.layers[1](x)
+        h = self.layers[0](torch.tanh(h))
+        h = self.layers[1](torch.tanh(h))
+        return self.layers[2](h)
+
+
+class Shaped(nn.Module):
+    """A layer whose output is a structure: a dict, a list, a namedtuple or a dataclass, with non-tensors beside the
+    tensors, and its input passed through beside (a tensor whose gradient does not go through the layer's weights)."""
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = torch.tanh(self.linear(x))
+        if self.shape == "dict":
+            return {"value": y, "input": x, "note": "a string", "count": 3}
+        if self.shape == "list":
+            return [None, y, x, 1.5]
+        if self.shape == "namedtuple":
+            return Pair(y, note="a note")
+        return Result(y, "a name")
+
+
+def value_of(out):
+    if isinstance(out, dict):
+        return out["value"] + out["input"]
+    if isinstance(out, list):
+        return out[1] + out[2]
+    return out.value
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Shaped(s) for s in ("dict", "list", "namedtuple", "dataclass"))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = value_of(layer(x))
+        return x
+
+
+class Nested(nn.Module):
+    """Units in units: a ModuleList in each block of a ModuleList, and a root with weights of its own."""
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2)) for _ in range(2))
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        for block in self.blocks:
+            for layer in block:
+                x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+class Unused(nn.Module):
+    """A layer called twice, the loss using one of its two outputs; then a layer whose output the loss ignores, its
+    weights used again (its bias through the next layer's output)."""
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+
+    def forward(self, x):
+        self.layers[0](x)  # an output no loss uses
+        h = torch.tanh(self.layers[0](x))
+        return self.layers[1](h)
+
+
+class Tied(nn.Module):
+    """An embedding and an output layer that share one weight (GPT-2's tying), each a unit of its own."""
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)])
+        self.layers[2].weight = self.layers[0].weight
+
+    def forward(self, x):
+        h = self.layers[0](x.abs().sum(-1).long() % WIDTH)
+        return self.layers[2](torch.tanh(self.layers[1](h)))
+
+
+MODELS = {"out of order": (OutOfOrder, {}), "structured outputs": (Structured, {}), "nested": (Nested, {}),
+          "unused output": (Unused, {}), "tied": (Tied, {})}
+
+
+def train(engine, args, steps=3):
+    losses = []
+    for step in range(steps):
+        x = torch.randn(5, WIDTH, generator=torch.Generator().manual_seed(step))
+        loss = (engine.forward(x) ** 2).mean()
+        engine.backward(loss, sync=True)
+        engine.step(lr_at(step, args))
+        losses.append(loss.item())
+    return losses
+
+
+def close(got, expected, rtol=1e-5):
+    return abs(got - expected) <= rtol * max(abs(expected), 1e-6)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_call_pattern_trains_as_the_reference(world_of_one, stage_file, name):
+    Model, kw = MODELS[name]
+    torch.manual_seed(0)
+    model = Model()
+    reference = Model()
+    reference.load_state_dict(model.state_dict())
+    engine, _ = build(stage_file, world_of_one, model, **kw)
+    args = engine.args
+    args.lr, args.warmup = 1e-2, 1
+    got = train(engine, args)
+    expected = train(SingleDeviceEngine(reference, parse_args(type(engine), []), world_of_one), args)
+    assert all(close(g, e) for g, e in zip(got, expected)), f"{name}: losses {got}, expected {expected}"
+    for b in getattr(engine, "buckets", []):
+        assert getattr(b, "gather", None) is None, f"{name}: a unit's all-gather still in flight after step()"
+    master = gather_master(engine)
+    for key, p in reference.named_parameters():
+        if key in master:
+            diff = (master[key] - p.detach()).abs().max().item()
+            assert diff <= 1e-5 * p.abs().max().item(), f"{name}: {key} ends {diff:.2e} off the reference"
+
+def test_no_unit_stays_gathered_across_step(world_of_one, stage_file):
+    """After backward, every unit of stage 3 is freed: the next forward gathers the updated shard."""
+    engine, model = build(stage_file, world_of_one, OutOfOrder())
+    if not hasattr(engine, "param_shard"):
+        pytest.skip("stages 0-2 keep every parameter")
+    train(engine, engine.args, steps=1)
+    gathered = [type(b.module).__name__ for b in engine.buckets if b.param.untyped_storage().nbytes()]
+    assert not gathered, f"units still gathered after step(): {gathered}"
+
+
+# ---- refused at build time, in every engine, with one line that names the fix
+
+def refused(call):
+    with pytest.raises(RuntimeError) as e:
+        call()
+    assert "\n" not in str(e.value) and "before building the engine" in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_a_model_with_nothing_to_train_is_refused(world_of_one, stage_file):
+    model = OutOfOrder().requires_grad_(False)
+    assert refused(lambda: build(stage_file, world_of_one, model)) == Misuse.NOTHING_TRAINED
+
+
+def test_trained_parameters_of_two_dtypes_are_refused(world_of_one, stage_file):
+    model = OutOfOrder()
+    model.layers[2].double()
+    message = refused(lambda: build(stage_file, world_of_one, model))
+    assert "layers.0.weight (torch.float32) and layers.2.weight (torch.float64)" in message, message
+
+
+class Shared(nn.Module):
+    """Two units side by side inside a third that share one weight, and a weight tied across the whole model."""
+    def __init__(self):
+        super().__init__()
+        self.outer = nn.ModuleList([nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)])
+        self.outer[1].weight = self.outer[0].weight
+        self.wrap = nn.Sequential(self.outer[0], nn.Tanh(), self.outer[1])
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.head(self.wrap(x))
+
+
+def test_a_weight_shared_by_two_units_goes_to_the_unit_that_holds_both(world_of_one, stage_file):
+    """As FSDP2 and DeepSpeed place tied weights: in the innermost unit that holds every unit sharing it."""
+    model = Tied()
+    engine, _ = build(stage_file, world_of_one, model)
+    if not hasattr(engine, "param_shard"):
+        pytest.skip("stages 0-2 have no units")
+    assert engine.bucket_of[model.layers[0].weight].module is model  # the root: the only unit holding both
+    assert engine.bucket_of[model.layers[2].bias].module is model.layers[2]
+    model = Shared()
+    expected = Shared()
+    expected.load_state_dict(model.state_dict())
+    engine, _ = build(stage_file, world_of_one, model, units=[model.outer[0], model.outer[1], model.wrap])
+    assert engine.bucket_of[model.outer[0].weight].module is model.wrap
+    assert engine.bucket_of[model.outer[1].bias].module is model.outer[1]
+    got = train(engine, engine.args)
+    assert got == pytest.approx(train(SingleDeviceEngine(expected, engine.args, world_of_one), engine.args), rel=1e-5)
