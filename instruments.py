@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from checkpoint import checkpoint_due, gather_master
+from checkpoint import checkpoint_due, gather_master, tied_names
 from devices import everyone, stop
 
 def pinned_bytes(nbytes):
@@ -701,7 +701,7 @@ class Run:
         """What a checkpoint's manifest keeps beside the state: the model, its vocabulary, the history, the scaler."""
         params = {n: list(p.shape) for n, p in self.engine.model.named_parameters() if p.requires_grad}
         return dict(stage=self.stage, config=vars(self.cfg), chars="".join(self.data.chars), **self.history,
-                    params=params, loss_scaler=vars(self.scaler))
+                    params=params, tied=tied_names(self.engine.model), loss_scaler=vars(self.scaler))
 
     def log(self, step):
         """Rank 0's word on a step: at the steps log_due names, its loss and speed (a bar's figures, closed after the

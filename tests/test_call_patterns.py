@@ -4,6 +4,7 @@ and one of them twice (DeepSpeed's SimpleModel), outputs of any structure with n
 nested in units, a unit's output that the loss does not use, a weight shared by two units. Each is right to 1e-5 or
 refused with one line that names the fix. Stage 3 and offload are the engines these patterns test; stages 0-2 train
 them too, as any engine must."""
+import argparse
 import dataclasses
 from collections import namedtuple
 
@@ -12,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from test_any_model import build, parse_args, world_of_one  # noqa: F401 (a fixture)
-from checkpoint import gather_master
-from train_gpt import Misuse, SingleDeviceEngine, lr_at
+from checkpoint import consolidate, gather_master, save_checkpoint, tied_names
+from train_gpt import GPT, GPTConfig, Misuse, SingleDeviceEngine, lr_at
 
 WIDTH = 6
 Pair = namedtuple("Pair", "value note")
@@ -215,3 +216,28 @@ def test_a_weight_shared_by_two_units_goes_to_the_unit_that_holds_both(world_of_
     assert engine.bucket_of[model.outer[1].bias].module is model.outer[1]
     got = train(engine, engine.args)
     assert got == pytest.approx(train(SingleDeviceEngine(expected, engine.args, world_of_one), engine.args), rel=1e-5)
+
+
+# ---- tied weights in the consolidated fp32 state dict
+
+def test_the_gathered_state_dict_carries_every_name_of_a_tied_weight(world_of_one, stage_file):
+    """gather_master (--save_master, --sample's model) loads with strict=True into the model it came from."""
+    model = Tied()
+    engine, _ = build(stage_file, world_of_one, model)
+    train(engine, engine.args, steps=1)
+    master = gather_master(engine)
+    assert torch.equal(master["layers.2.weight"], master["layers.0.weight"])
+    Tied().load_state_dict(master, strict=True)
+
+
+def test_a_consolidated_checkpoint_loads_strictly_into_the_gpt(tmp_path):
+    """--consolidate: every name of the GPT's tied weight (lm_head.weight, wte.weight) is in its state dict."""
+    cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
+    model = GPT(cfg)
+    engine = SingleDeviceEngine(model, argparse.Namespace(), torch.device("cpu"))
+    params = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[],
+                params=params, tied=tied_names(model))
+    where = save_checkpoint(str(tmp_path / "ckpt"), engine, 1, meta, torch.device("cpu"))
+    consolidate(where, str(tmp_path / "gpt.pt"))
+    GPT(cfg).load_state_dict(torch.load(tmp_path / "gpt.pt", weights_only=True)["state_dict"], strict=True)
