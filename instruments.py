@@ -59,6 +59,10 @@ class CommLedger:
         op = self._average_first(inp, op)
         return self._call("reduce_scatter", fn, out, inp, op=op, async_op=async_op)
 
+    def broadcast(self, t, src):  # (a model's buffers, before each forward: the GPT has none)
+        self.sent["broadcast"] += t.numel() * t.element_size() * self._ring()
+        return self._call("broadcast", dist.broadcast, t, src=src, async_op=False)
+
     def all_gather(self, out, inp, async_op=False):
         self.sent["all_gather"] += out.numel() * out.element_size() * self._ring()
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.utils.cpp_extension
 
 from devices import build_cpu_adam, cpu_adam_flags, cpu_adam_isa, cpu_adam_source, set_cpu_adam_threads
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, output_tensors, require, trained, units_of
+from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s,
+                       trained, units_of)
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
     """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
@@ -144,8 +145,7 @@ class OffloadEngine:
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
-            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
+        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
         # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; C++ AdamW
         self.copies = Copies(device)
         self.device = device

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, output_tensors, require, sum_of_squares, trained, units_of
+from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s, sum_of_squares,
+                       trained, units_of)
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -83,8 +84,7 @@ class ZeRO3Engine:
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
-            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
+        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = self.param_shard.to(torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
         # [/ZeRO-1]

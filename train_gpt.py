@@ -237,12 +237,23 @@ def trained(model):
         raise RuntimeError(Misuse.DTYPES.format(params[0][0], params[0][1].dtype, other[0], other[1].dtype))
     return params
 
+def share_rank0s(model, args):
+    """Rank 0's frozen parameters, once, and its buffers (BatchNorm's running statistics, say), once and, as DDP's
+    broadcast_buffers=True, before each forward: a forward updates them on each rank's own data. With
+    --no_broadcast_buffers, once only: then each rank's own (DDP's broadcast_buffers=False)."""
+    def broadcast_buffers(module, inputs):
+        for t in module.buffers():
+            comm.broadcast(t, src=0)
+    for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+        dist.broadcast(t, src=0)
+    if list(model.buffers()) and not args.no_broadcast_buffers:
+        model.register_forward_pre_hook(broadcast_buffers)
+
 def units_of(model, units):
-    """ZeRO-3's units (stage3.py, offload.py): {trained parameter: the unit that gathers it}, unit by unit in the
-    order of `units` (the root last). A unit is a module whose forward runs; a parameter goes to the innermost unit
-    that holds it, so nested units each gather their own. One held by units side by side (a weight tied between an
-    embedding and an output layer, say) goes to the innermost unit that holds them all, the root at most: as FSDP2 and
-    DeepSpeed place tied weights, so that it is gathered whenever either runs."""
+    """ZeRO-3's units (stage3.py, offload.py): {trained parameter: the unit that gathers it}, unit by unit in the order
+    of `units`, the root last. A unit is a module whose forward runs; a parameter goes to the innermost unit that holds
+    it (nested units gather their own), and one that units side by side share (a tied embedding and output layer) to
+    the innermost unit that holds them all, the root at most: as FSDP2 and DeepSpeed place tied weights."""
     units = list(dict.fromkeys([*units, model]))
     inside = {m: set(m.modules()) for m in units}
     owner = {}

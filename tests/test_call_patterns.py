@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import ROOT
 from test_any_model import build, parse_args, world_of_one  # noqa: F401 (a fixture)
 from checkpoint import consolidate, gather_master, save_checkpoint, tied_names
 from train_gpt import GPT, GPTConfig, Misuse, SingleDeviceEngine, lr_at
@@ -241,3 +242,79 @@ def test_a_consolidated_checkpoint_loads_strictly_into_the_gpt(tmp_path):
     where = save_checkpoint(str(tmp_path / "ckpt"), engine, 1, meta, torch.device("cpu"))
     consolidate(where, str(tmp_path / "gpt.pt"))
     GPT(cfg).load_state_dict(torch.load(tmp_path / "gpt.pt", weights_only=True)["state_dict"], strict=True)
+
+
+# ---- buffers: rank 0's before every forward (DDP's broadcast_buffers=True), or each rank's own when asked
+
+BUFFERS = """
+import sys
+import torch, torch.distributed as dist, torch.nn as nn
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {examples!r})
+from any_model import load_engine
+from options import parse_args
+from train_gpt import PRESETS, GPTConfig
+Engine = load_engine(sys.argv[1])
+args = parse_args(Engine, PRESETS, GPTConfig, sys.argv[2:])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+engine = Engine(model, args, torch.device("cpu"))
+for step in range(2):
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank))  # each rank's own data
+    engine.backward(engine.forward(x).pow(2).mean(), sync=True)
+    engine.step(1e-3)
+model.eval()
+engine.forward(torch.randn(6, 4))  # (its buffers as this forward used them: eval mode updates none)
+mean = model[1].running_mean.clone()
+every = [torch.zeros_like(mean) for _ in range(dist.get_world_size())]
+dist.all_gather(every, mean)
+print("buffers", "equal" if all(torch.equal(every[0], m) for m in every) else "differ", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "no_broadcast_buffers"])
+def test_buffers_are_rank_0s_before_every_forward(runner, tmp_path, stage_file, broadcast):
+    """BatchNorm's running statistics, updated by each rank's forward on its own data: rank 0's on every rank at each
+    forward (as under DDP), unless --no_broadcast_buffers asks for each rank's own."""
+    script = tmp_path / "buffers.py"
+    script.write_text(BUFFERS.format(root=str(ROOT), examples=str(ROOT / "examples")))
+    p = runner.spawn(str(script), 2, [stage_file] + ([] if broadcast else ["--no_broadcast_buffers"]), timeout=300)
+    expected = "buffers equal" if broadcast else "buffers differ"
+    assert p.returncode == 0 and p.stdout.count(expected) == 2, p.stdout + p.stderr[-3000:]
+
+
+# ---- uneven data: a rank out of batches while the others go on ends the job, with one line
+
+UNEVEN = """
+import sys
+import torch, torch.nn as nn
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {examples!r})
+from any_model import load_engine
+from devices import init_distributed
+from options import parse_args
+from train_gpt import PRESETS, GPTConfig
+Engine = load_engine(sys.argv[1])
+args = parse_args(Engine, PRESETS, GPTConfig, sys.argv[2:])
+rank, world_size, device = init_distributed(args)
+model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+engine = Engine(model, args, device)
+for step in range(3 if rank == 0 else 1):  # rank 1 has one batch, rank 0 three
+    engine.backward(engine.forward(torch.randn(6, 4)).pow(2).mean(), sync=True)
+    engine.step(1e-3)
+print("rank", rank, "out of batches", flush=True)
+torch.distributed.barrier()
+"""
+
+
+def test_uneven_data_ends_the_job_with_one_line(runner, tmp_path):
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN.format(root=str(ROOT), examples=str(ROOT / "examples")))
+    p = runner.spawn(str(script), 2, [str(ROOT / "stage2.py"), "--collective_timeout", "5"], timeout=120, grace=60)
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: rank")]
+    assert p.returncode != 0 and lines and all("uneven data" in ln for ln in lines), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
