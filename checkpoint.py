@@ -274,7 +274,22 @@ def gather_master(engine):
     if rank != 0:
         return None
     shapes = {name: p.shape for name, p in engine.model.named_parameters() if p.requires_grad}  # what is trained
-    return assemble(unflatten(every), shapes)[0]
+    return with_tied_names(assemble(unflatten(every), shapes)[0], tied_names(engine.model))
+
+def tied_names(model):
+    """{name: the name it is tied to} for each further name of a trained parameter that a model holds under several
+    (GPT's lm_head.weight, the token embedding's): pieces and shards carry a tied parameter under its first name."""
+    first = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad and first.setdefault(p, name) != name:
+            tied[name] = first[p]
+    return tied
+
+def with_tied_names(state, tied):
+    """The state dict with every name of a tied parameter (as DeepSpeed's zero_to_fp32 restores them), one tensor
+    under each, so that it loads with strict=True into the model it came from."""
+    return {**state, **{name: state[to] for name, to in tied.items() if to in state}}
 
 def unflatten(every):
     """(name, lo, hi, values) for each piece of each rank's (index, flat buffer), the values views of the buffer."""
@@ -292,8 +307,9 @@ def consolidate(path, out):
     if missing:
         raise SystemExit(f"error: checkpoint {where}: its shards do not hold all of {missing[0]}; the shards do not "
                          f"match the manifest")
+    named = with_tied_names(state, manifest.get("tied", {}))  # (a manifest from before "tied" has none)
     atomic_write(out, lambda f: torch.save({"config": manifest["config"], "chars": manifest["chars"], "step": manifest["step"],
-                                            "state_dict": state}, f))
+                                            "state_dict": named}, f))
     print(f"wrote {out}: {sum(t.numel() for t in state.values()):,} fp32 parameters after step {manifest['step']} of {where}")
 
 def load_consolidated(path):

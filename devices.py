@@ -4,7 +4,7 @@ algorithm: which device and dtype a run uses, the process group and the few agre
 ZeRO-Offload's C++ AdamW (built by offload.py), each code path's compiler flags, its build checks and its threads.
 Without CUDA each of these degrades to its CPU form (gloo), never to another algorithm.
 """
-import math, os, shutil, socket, sys, time
+import datetime, functools, math, os, shutil, socket, sys, time
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,11 @@ def init_distributed(args):
     device = pick_device(args.device, int(os.environ["LOCAL_RANK"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    seconds = getattr(args, "collective_timeout", 600)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=seconds))
     rank = dist.get_rank()
+    sys.excepthook = functools.partial(explain_timeout, sys.excepthook, rank, seconds)
     world_size = dist.get_world_size()
     problem = torch_too_old(torch.__version__) or not_averaging(rank, world_size, device)
     if problem:
@@ -77,6 +80,16 @@ def not_averaging(rank, world_size, device):
             return (f"error: {backend} does not average: {name}(op=AVG) of 1..{world_size} over {world_size} ranks "
                     f"gave {wrong[0]:g}, not {average:g}, and training would take wrong gradients; {UPGRADE}")
     return None
+
+def explain_timeout(previous, rank, seconds, kind, error, traceback):
+    """sys.excepthook once the ranks are up: a collective that timed out ends this rank with one line that names the
+    likely cause (a rank that ran out of batches while the others went on); any other error as before."""
+    if issubclass(kind, RuntimeError) and ("timed out" in str(error).lower() or "timeout" in str(error).lower()):
+        print(f"error: rank {rank}: a collective waited more than --collective_timeout {seconds:g} s for another rank: "
+              f"most likely the ranks had different numbers of batches (uneven data); give every rank the same number "
+              f"of micro-steps", file=sys.stderr, flush=True)
+        os._exit(1)
+    previous(kind, error, traceback)
 
 def stop(message, rank):
     """End every rank with one error line, printed once: for an error that all ranks meet at the same point."""

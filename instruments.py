@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from checkpoint import checkpoint_due, gather_master
+from checkpoint import checkpoint_due, gather_master, tied_names
 from devices import everyone, stop
 
 def pinned_bytes(nbytes):
@@ -58,6 +58,10 @@ class CommLedger:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
         op = self._average_first(inp, op)
         return self._call("reduce_scatter", fn, out, inp, op=op, async_op=async_op)
+
+    def broadcast(self, t, src):  # (a model's buffers, before each forward: the GPT has none)
+        self.sent["broadcast"] += t.numel() * t.element_size() * self._ring()
+        return self._call("broadcast", dist.broadcast, t, src=src, async_op=False)
 
     def all_gather(self, out, inp, async_op=False):
         self.sent["all_gather"] += out.numel() * out.element_size() * self._ring()
@@ -701,7 +705,7 @@ class Run:
         """What a checkpoint's manifest keeps beside the state: the model, its vocabulary, the history, the scaler."""
         params = {n: list(p.shape) for n, p in self.engine.model.named_parameters() if p.requires_grad}
         return dict(stage=self.stage, config=vars(self.cfg), chars="".join(self.data.chars), **self.history,
-                    params=params, loss_scaler=vars(self.scaler))
+                    params=params, tied=tied_names(self.engine.model), loss_scaler=vars(self.scaler))
 
     def log(self, step):
         """Rank 0's word on a step: at the steps log_due names, its loss and speed (a bar's figures, closed after the

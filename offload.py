@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.utils.cpp_extension
 
 from devices import build_cpu_adam, cpu_adam_flags, cpu_adam_isa, cpu_adam_source, set_cpu_adam_threads
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, trained
+from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s,
+                       trained, units_of)
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
     """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
@@ -86,6 +87,11 @@ class Bucket:
         self.gather = None  # the all-gather of its parameters in flight
         self.acc = None    # with --grad_accum: its reduced shard, summed on the device until the last micro-step
 
+    def state(self):  # where its full parameters are: "gathering" (an all-gather in flight), "gathered" or "freed"
+        if self.gather is not None:
+            return "gathering"
+        return "gathered" if self.param.untyped_storage().nbytes() else "freed"
+
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
     from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
@@ -106,10 +112,8 @@ class OffloadEngine:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         params = [p for _, p in trained(model)][::-1]  # (stages 0-2's order; here they are ordered by unit below)
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
-        units = [*(units or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]), model]
-        unit_of = {}  # trained parameter -> its unit: the first unit that holds it
-        for m in units:  # (the root, last, takes the parameters no other unit holds)
-            unit_of |= {p: m for p in m.parameters() if p.requires_grad and p not in unit_of}
+        # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
+        unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
         params = list(unit_of)  # unit by unit (a unit with nothing to train gets no bucket, no hooks)
         # [/ZeRO-3]
         self.buckets = [Bucket(0, unit_of[params[0]])]
@@ -141,8 +145,7 @@ class OffloadEngine:
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
-            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
+        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
         # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; C++ AdamW
         self.copies = Copies(device)
         self.device = device
@@ -197,7 +200,7 @@ class OffloadEngine:
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
     def _gather(self, b):  # start gathering bucket b's full parameters from every rank's shard (asynchronously)
-        if b.gather is None and b.param.untyped_storage().nbytes() == 0:
+        if b.state() == "freed":
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             # [ZeRO-3 Offload] the shard comes up on the copy stream and the all-gather is issued there (NCCL waits for
             # the current stream): it waits for the copy, and compute only for the gather, at b.gather.wait()
@@ -214,23 +217,36 @@ class OffloadEngine:
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
         # [/Recompute]
+        # b's backward is over: a gradient reached an output of b's that does not depend on b's parameters
+        if order is self.backward_order and not b.waiting:
+            require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
+            return
         if b not in order:
             order.append(b)  # the first pass records the order; later passes prefetch by it
         self._gather(b)
-        if b.gather is not None:
+        self._wait(b)
+        # prefetch the next unit in the order, but in backward never one whose backward is over: it would stay gathered
+        after = [n for n in order[order.index(b) + 1:] if n.waiting or order is self.forward_order]
+        if after and not self.args.no_prefetch:
+            self._gather(after[0])
+
+    def _wait(self, b):  # b's all-gather in flight, if any, has landed
+        if b.state() == "gathering":
             b.gather.wait()
             b.gather = None
-        if b is not order[-1] and not self.args.no_prefetch:
-            self._gather(order[order.index(b) + 1])
+
+    def _free(self, b):
+        self._wait(b)
+        b.param.untyped_storage().resize_(0)
 
     def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
         # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
         # [/Recompute]
-        b.param.untyped_storage().resize_(0)  # (autograd's saved views of the parameters share it: freed too)
-        for t in out if isinstance(out, tuple) else (out,):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        self._free(b)  # (autograd's saved views of the parameters share its storage: freed too)
+        for t in output_tensors(out):
+            if t.requires_grad:
                 t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
     # [/ZeRO-3]
 
@@ -247,7 +263,7 @@ class OffloadEngine:
         b.waiting -= 1
         if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
             # [ZeRO-3] the bucket's backward is done: free its full parameters
-            b.param.untyped_storage().resize_(0)
+            self._free(b)
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
@@ -291,6 +307,10 @@ class OffloadEngine:
     def step(self, lr):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
+        # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
+        for b in self.buckets:
+            self._free(b)
+        # [/ZeRO-3]
         # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
         # [Copy stream] the gradient shard has landed in CPU memory
         self.copies.host_waits(self.grads_on_host)

@@ -42,6 +42,10 @@ def parse_args(Engine, presets, config, argv=None):
                    "bf16 matmul: AMX, AVX512-BF16), fp16 on a GPU without (V100, T4), else fp32")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: a GPU where torch sees one")
     p.add_argument("--seed", type=int, default=1337, help="the seed of the weights and of every batch")
+    p.add_argument("--collective_timeout", type=float, default=600, help="seconds a collective waits for the other "
+                   "ranks before the job ends (a rank out of batches while the others go on would hang them)")
+    p.add_argument("--no_broadcast_buffers", action="store_true", help="buffers (BatchNorm's running statistics, say) "
+                   "rank 0's once, then each rank's own; by default rank 0's before every forward, as DDP's")
     p.add_argument("--eval_every", type=int, default=100, help="steps between validation losses")
     p.add_argument("--eval_batches", type=int, default=8, help="batches in each validation loss")
     p.add_argument("--sample_chars", type=int, default=300,
@@ -122,5 +126,9 @@ class Misuse:  # what an engine refuses, one line each (train_gpt.trained and ev
                    "micro-step")
     META = ("a tensor on the meta device that no engine can make: an engine makes trained parameters from the meta "
             "device with the model's init_weight(p), as GPT.init_weight; build the rest, or the model, on a device")
+    NOTHING_TRAINED = ("no parameter requires a gradient: an engine trains the parameters that require one; unfreeze "
+                       "some (requires_grad_(True)) before building the engine")
+    DTYPES = ("trained parameters of two dtypes, {} ({}) and {} ({}): an engine keeps them in one flat buffer of the "
+              "first one's dtype; cast the model to one dtype (model.to(dtype)) before building the engine")
     CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
                "replaced, requires_grad switched): build the engine after the model's last change")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, sum_of_squares, trained
+from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, share_rank0s, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
@@ -64,8 +64,7 @@ class ZeRO2Engine:
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
-        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
-            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
+        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = torch.cat([self._my_shard_of(b.param) for b in self.buckets]).float()  # this rank's shard
         # [/ZeRO-1]

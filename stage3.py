@@ -6,10 +6,10 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
     sent      per micro-step: 2 all-gathers of the parameters (forward, backward) + 1 reduce-scatter  =  3Ψ(N-1)/N
 
 The idea: a bucket is a module's parameters, the unit of gathering: each block of an nn.ModuleList (or each module of
-`units=[...]`), the root taking the rest. Hooks gather a unit's parameters just before its forward and its backward,
-prefetching the next unit's, and free them right after (the storage resized to zero): a rank holds a unit or two beyond
-the formula. Nor is the model ever whole: the engine makes it unit by unit (from the meta device, as every stage
-does) and keeps only its shard of each.
+`units=[...]`), the root taking the rest, a weight units share going to a unit that holds them all (units_of). Hooks
+gather a unit's parameters just before each call of its forward and its backward, prefetching the next unit's, and free
+them right after (the storage resized to zero; none stays gathered across a step): a rank holds a unit or two beyond
+the formula. Nor is the model ever whole: the engine makes it unit by unit (from the meta device) and keeps its shard.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, sum_of_squares, trained
+from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s, sum_of_squares,
+                       trained, units_of)
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -31,6 +32,11 @@ class Bucket:
         self.work = None   # the collective in flight
         self.grad = None   # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
+
+    def state(self):  # where its full parameters are: "gathering" (an all-gather in flight), "gathered" or "freed"
+        if self.gather is not None:
+            return "gathering"
+        return "gathered" if self.param.untyped_storage().nbytes() else "freed"
 
 class ZeRO3Engine:
     """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
@@ -45,10 +51,8 @@ class ZeRO3Engine:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         params = [p for _, p in trained(model)][::-1]  # (stages 0-2's order; here they are ordered by unit below)
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
-        units = [*(units or [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]), model]
-        unit_of = {}  # trained parameter -> its unit: the first unit that holds it
-        for m in units:  # (the root, last, takes the parameters no other unit holds)
-            unit_of |= {p: m for p in m.parameters() if p.requires_grad and p not in unit_of}
+        # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
+        unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
         params = list(unit_of)  # unit by unit (a unit with nothing to train gets no bucket, no hooks)
         # [/ZeRO-3]
         self.buckets = [Bucket(0, unit_of[params[0]])]
@@ -80,8 +84,7 @@ class ZeRO3Engine:
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
-            dist.broadcast(t, src=0)  # frozen parameters and buffers: rank 0's too, once; then left alone
+        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = self.param_shard.to(torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
         # [/ZeRO-1]
@@ -115,7 +118,7 @@ class ZeRO3Engine:
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
     def _gather(self, b):  # start gathering bucket b's full parameters from every rank's shard (asynchronously)
-        if b.gather is None and b.param.untyped_storage().nbytes() == 0:
+        if b.state() == "freed":
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
@@ -123,23 +126,36 @@ class ZeRO3Engine:
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
         # [/Recompute]
+        # b's backward is over: a gradient reached an output of b's that does not depend on b's parameters
+        if order is self.backward_order and not b.waiting:
+            require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
+            return
         if b not in order:
             order.append(b)  # the first pass records the order; later passes prefetch by it
         self._gather(b)
-        if b.gather is not None:
+        self._wait(b)
+        # prefetch the next unit in the order, but in backward never one whose backward is over: it would stay gathered
+        after = [n for n in order[order.index(b) + 1:] if n.waiting or order is self.forward_order]
+        if after and not self.args.no_prefetch:
+            self._gather(after[0])
+
+    def _wait(self, b):  # b's all-gather in flight, if any, has landed
+        if b.state() == "gathering":
             b.gather.wait()
             b.gather = None
-        if b is not order[-1] and not self.args.no_prefetch:
-            self._gather(order[order.index(b) + 1])
+
+    def _free(self, b):
+        self._wait(b)
+        b.param.untyped_storage().resize_(0)
 
     def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
         # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
         # [/Recompute]
-        b.param.untyped_storage().resize_(0)  # (autograd's saved views of the parameters share it: freed too)
-        for t in out if isinstance(out, tuple) else (out,):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        self._free(b)  # (autograd's saved views of the parameters share its storage: freed too)
+        for t in output_tensors(out):
+            if t.requires_grad:
                 t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
     # [/ZeRO-3]
 
@@ -156,7 +172,7 @@ class ZeRO3Engine:
         b.waiting -= 1
         if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
             # [ZeRO-3] the bucket's backward is done: free its full parameters
-            b.param.untyped_storage().resize_(0)
+            self._free(b)
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
@@ -189,6 +205,10 @@ class ZeRO3Engine:
     def step(self, lr):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
+        # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
+        for b in self.buckets:
+            self._free(b)
+        # [/ZeRO-3]
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares

@@ -12,12 +12,14 @@ moves them: forward(*args) -> the model's output, backward(loss, sync), step(lr)
 model_states(), state_pieces(), resume(step). The device layer, meters, options and checkpoints come after the stages.
 """
 import math, zlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree
 from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (checkpoint.py saves the training state)
 
 from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_checkpoints, save_checkpoint
@@ -227,7 +229,48 @@ def trained(model):
     if any(t.is_meta for t in [p for p in model.parameters() if not (p.requires_grad and hasattr(model, "init_weight"))]
            + list(model.buffers())):
         raise RuntimeError(Misuse.META)
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    require(params, Misuse.NOTHING_TRAINED)
+    # one dtype for every trained parameter: an engine's flat buffers, and so the run, take the first one's
+    other = next(((name, p) for name, p in params if p.dtype != params[0][1].dtype), None)
+    if other is not None:
+        raise RuntimeError(Misuse.DTYPES.format(params[0][0], params[0][1].dtype, other[0], other[1].dtype))
+    return params
+
+def share_rank0s(model, args):
+    """Rank 0's frozen parameters, once, and its buffers (BatchNorm's running statistics, say), once and, as DDP's
+    broadcast_buffers=True, before each forward: a forward updates them on each rank's own data. With
+    --no_broadcast_buffers, once only: then each rank's own (DDP's broadcast_buffers=False)."""
+    def broadcast_buffers(module, inputs):
+        for t in module.buffers():
+            comm.broadcast(t, src=0)
+    for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+        dist.broadcast(t, src=0)
+    if list(model.buffers()) and not args.no_broadcast_buffers:
+        model.register_forward_pre_hook(broadcast_buffers)
+
+def units_of(model, units):
+    """ZeRO-3's units (stage3.py, offload.py): {trained parameter: the unit that gathers it}, unit by unit in the order
+    of `units`, the root last. A unit is a module whose forward runs; a parameter goes to the innermost unit that holds
+    it (nested units gather their own), and one that units side by side share (a tied embedding and output layer) to
+    the innermost unit that holds them all, the root at most: as FSDP2 and DeepSpeed place tied weights."""
+    units = list(dict.fromkeys([*units, model]))
+    inside = {m: set(m.modules()) for m in units}
+    owner = {}
+    for _, p in trained(model):
+        holders = [m for m in units if any(p is q for q in m.parameters())]
+        # the holders that hold (or are inside) every other holder: the innermost of them owns p
+        common = [m for m in holders if all(h in inside[m] or m in inside[h] for h in holders)]
+        owner[p] = min(common, key=lambda m: len(inside[m]))
+    return {p: m for m in units for p in m.parameters() if p in owner and owner[p] is m}
+
+def output_tensors(out):
+    """The tensors in a forward's output of any structure: torch's pytree walk (dicts, lists, tuples, namedtuples,
+    as FSDP2 walks them), and into dataclasses, which pytree keeps whole unless they are registered with it."""
+    leaves = torch.utils._pytree.tree_leaves(out)
+    fields = [[getattr(t, f.name) for f in dataclasses.fields(t)] for t in leaves
+              if dataclasses.is_dataclass(t) and not isinstance(t, type)]
+    return [t for t in leaves + torch.utils._pytree.tree_leaves(fields) if isinstance(t, torch.Tensor)]
 
 class AdamW:
     """AdamW on one fp32 tensor, as torch.optim.AdamW computes it. Per element, at step t:

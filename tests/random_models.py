@@ -1,0 +1,225 @@
+"""Small models generated from a seed, trained 3 steps by one engine on this rank's slice of each batch and, in the same
+process, by a single-process torch.optim.AdamW with the project's recipe on the whole batch (fp32). Run by
+tests/test_any_model_random.py under N ranks, one process group for many seeds:
+
+    python tests/random_models.py --stage stage3.py --seeds 0-11
+
+A model is a few units in an nn.ModuleList called in a seeded order (some twice, some outputs left unused), nested
+units, outputs of any structure (dict, list, namedtuple, dataclass, non-tensors beside tensors), frozen units, weights
+tied across units, odd sizes and 1-element parameters. Exits non-zero after printing, for each seed that differs by more
+than 1e-5 relative (losses, gradient norms, final weights), what differed and the model."""
+import argparse
+import dataclasses
+import datetime
+import os
+import random
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from any_model import load_engine  # noqa: E402
+from checkpoint import gather_master  # noqa: E402
+from options import parse_args  # noqa: E402
+from train_gpt import PRESETS, GPTConfig, lr_at  # noqa: E402
+
+RTOL, STEPS, BATCH = 1e-5, 3, 8
+Pair = namedtuple("Pair", "value note")
+
+
+@dataclasses.dataclass
+class Result:
+    value: torch.Tensor
+    name: str
+
+
+def wrap(shape, y, x):
+    """y (and the unit's input x, passed through) in an output of the given structure."""
+    if shape == "dict":
+        return {"value": y, "input": x, "note": "text", "count": 2}
+    if shape == "list":
+        return [None, y, 1.5]
+    if shape == "namedtuple":
+        return Pair(y, note="a note")
+    if shape == "dataclass":
+        return Result(y, "a name")
+    return y
+
+
+def unwrap(out):
+    if isinstance(out, dict):
+        return out["value"] + 0.5 * out["input"]
+    if isinstance(out, list):
+        return out[1]
+    return out if isinstance(out, torch.Tensor) else out.value
+
+
+class Unit(nn.Module):
+    """A linear map of the width, or two nested in an nn.ModuleList (units in a unit), or one with a 1-element scale;
+    its output wrapped in a structure."""
+    def __init__(self, kind, width, shape):
+        super().__init__()
+        self.kind = kind
+        self.shape = shape
+        self.inner = nn.ModuleList(nn.Linear(width, width) for _ in range(2 if kind == "nested" else 1))
+        if kind == "scaled":
+            self.scale = nn.Parameter(torch.ones(1) * 0.9)
+
+    def forward(self, x):
+        y = x
+        for layer in self.inner:
+            y = torch.tanh(layer(y))
+        if self.kind == "scaled":
+            y = y * self.scale
+        return wrap(self.shape, y, x)
+
+
+class RandomModel(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        r = random.Random(seed)
+        self.width = r.choice([1, 3, 5, 7])
+        n = r.randint(2, 4)
+        kinds = [r.choice(["plain", "nested", "scaled"]) for _ in range(n)]
+        shapes = [r.choice(["tensor", "dict", "list", "namedtuple", "dataclass"]) for _ in range(n)]
+        self.units = nn.ModuleList(Unit(k, self.width, s) for k, s in zip(kinds, shapes))
+        self.head = nn.Linear(self.width, 3)
+        # the calls: every unit at least once, some twice, in a shuffled order; some outputs left unused
+        self.calls = list(range(n)) + [r.randrange(n) for _ in range(r.randint(0, 2))]
+        r.shuffle(self.calls)
+        self.unused = [i for i in range(n) if r.random() < 0.3]
+        self.frozen = [i for i in range(n) if r.random() < 0.25]
+        for i in self.frozen:
+            self.units[i].requires_grad_(False)
+        self.tied = None
+        if r.random() < 0.5 and n > 2:
+            self.tied = r.sample(range(n), 2)  # the first linear of unit b takes unit a's weight
+            a, b = self.tied
+            self.units[b].inner[0].weight = self.units[a].inner[0].weight
+        self.description = (f"RandomModel({seed}): width {self.width}, units {list(zip(kinds, shapes))}, calls "
+                            f"{self.calls}, outputs also computed and unused for {self.unused}, frozen {self.frozen}, "
+                            f"tied (first linear's weight) {self.tied}")
+
+    def forward(self, x):
+        h = x
+        for i in self.calls:
+            if i in self.unused:
+                self.units[i](h)  # an output no loss uses
+            h = unwrap(self.units[i](h))
+        return self.head(h)
+
+    def __repr__(self):
+        return self.description
+
+
+def batch(step, width):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, width, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def loss_of(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def reference(model, args):
+    """torch.optim.AdamW with the project's recipe: warmup and cosine lr, global-norm clipping, decoupled decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8,
+                            weight_decay=args.weight_decay)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, model.width)
+        loss = loss_of(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def engine_run(engine, model, args, rank, world_size):
+    losses, norms = [], []
+    per = BATCH // world_size
+    for step in range(STEPS):
+        x, y = batch(step, model.width)
+        loss = loss_of(engine.forward(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        engine.backward(loss, sync=True)
+        norms.append(float(engine.step(lr_at(step, args))))
+        total = loss.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append(total.item())
+    return losses, norms
+
+
+def off(got, expected):
+    return abs(got - expected) > RTOL * max(abs(expected), 1e-3)
+
+
+def check(seed, Engine, args, rank, world_size):
+    """What differs between the engine and the reference on seed's model, or None."""
+    torch.manual_seed(seed)
+    model = RandomModel(seed)
+    expected_model = RandomModel(seed)
+    expected_model.load_state_dict(model.state_dict())
+    engine = Engine(model, args, torch.device("cpu"))
+    losses, norms = engine_run(engine, model, args, rank, world_size)
+    ref_losses, ref_norms = reference(expected_model, args)
+    problems = []
+    for what, got, expected in (("loss", losses, ref_losses), ("gradient norm", norms, ref_norms)):
+        problems += [f"{what} at step {k}: {g:.8g}, expected {e:.8g}" for k, (g, e) in enumerate(zip(got, expected))
+                     if off(g, e)]
+    master = gather_master(engine)
+    if rank == 0:
+        for name, p in expected_model.named_parameters():
+            if name in master:
+                diff = (master[name].view_as(p) - p.detach()).abs().max().item()
+                if diff > RTOL * max(p.detach().abs().max().item(), 1e-3):
+                    problems.append(f"{name} ends {diff:.2e} off the reference")
+    return problems or None
+
+
+def seeds(text):
+    lo, _, hi = text.partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
+def main():
+    own = argparse.ArgumentParser()
+    own.add_argument("--stage", required=True)
+    own.add_argument("--seeds", default="0-11")
+    ours, rest = own.parse_known_args()
+    Engine = load_engine(ours.stage)
+    extra = ["--bucket_mb", "0.0001"] if "--bucket_mb" in Path(ours.stage).read_text() else []
+    args = parse_args(Engine, PRESETS, GPTConfig, ["--steps", str(STEPS), "--warmup", "1", "--lr", "1e-2", "--dtype",
+                                                   "fp32", "--device", "cpu", *extra, *rest])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
+    failed = 0
+    for seed in seeds(ours.seeds):
+        # (a crash that takes the process down, a segmentation fault say, leaves this as the last line: the model)
+        print(f"seed {seed}: {RandomModel(seed)!r}", file=sys.stderr, flush=True)
+        try:
+            problems = check(seed, Engine, args, rank, world_size)
+        except Exception as e:  # a crash is a failure of this seed, named with its model
+            problems = [f"{type(e).__name__}: {e}".split("\n")[0]]
+        if problems:
+            failed += 1
+            where = f"{Path(ours.stage).stem}, rank {rank} of {world_size}"
+            print(f"FAILED seed {seed} ({where}): {RandomModel(seed)!r}\n  " + "\n  ".join(problems), flush=True)
+    if rank == 0:
+        print(f"{Path(ours.stage).stem}: {len(seeds(ours.seeds))} seeds at N={world_size}, {failed} failed", flush=True)
+    sys.stdout.flush()
+    os._exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
