@@ -150,13 +150,14 @@ def memory_table(text):
 
 def test_first_command():
     """README.md's first command, 3 steps instead of 300: the table it ends with is README's sample (the peak, which
-    moves from run to run, within 10%)."""
-    out = run(FIRST.split(" && ")[1], "--steps", "3", *QUIET)
+    moves from run to run, within 10%). README's sample is bf16, as --dtype auto chose where it was measured: the run
+    asks for bf16 itself, so the comparison runs on every CPU (one without native bf16 runs it slowly)."""
+    said = re.search(r"memory per rank, MiB \(stage3, (\w+),", (ROOT / "README.md").read_text()).group(1)
+    out = run(FIRST.split(" && ")[1], "--steps", "3", "--dtype", said, *QUIET)
     got = memory_table(out)
     sample = memory_table(re.search(r"ended with:\n\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1))
     assert got[0].startswith("memory per rank") and got[2].split()[0] == "0-1" and got[3].split()[0] == "formula"
-    if "stage3: bf16" not in out:  # a CPU without fast bf16: another table than README's (bf16) sample
-        return
+    assert f"stage3: {said} (--dtype {said})" in out, out
     for line, want in zip(got, sample):
         if line.split("|")[0].strip() == "0-1":
             *cells, peak = line.split("|")
