@@ -36,7 +36,10 @@ def reference(runner):
     return ref
 
 
-def compare_params(expected, got, where, bulk_rtol=BULK_RTOL, bulk_share=BULK_SHARE, atol_any=ATOL_ANY):
+def compare_params(expected, got, where, bulk_rtol=BULK_RTOL, bulk_share=BULK_SHARE, atol_any=ATOL_ANY,
+                   median_rtol=None):
+    """Every tensor of `got` against `expected`: bulk_share of its elements within bulk_rtol of its largest value, all
+    within atol_any, and (median_rtol) its median element within median_rtol of its largest value."""
     for name, e in expected.items():
         assert name in got, f"{where}: parameter {name} is missing from the final parameters"
         g = got[name]
@@ -47,6 +50,11 @@ def compare_params(expected, got, where, bulk_rtol=BULK_RTOL, bulk_share=BULK_SH
             i = tuple(int(j) for j in torch.unravel_index(diff.argmax(), diff.shape))
             pytest.fail(f"{where}: parameter {name}{list(i)} is {g[i]:.8g}, expected {e[i]:.8g} (|diff| {diff[i]:.2e}); "
                         f"{100 * (1 - bulk):.2f}% of its elements differ by more than {bulk_rtol} x its largest value",
+                        pytrace=False)
+        median = (diff.median() / e.abs().max()).item()
+        if median_rtol is not None and median > median_rtol:
+            pytest.fail(f"{where}: parameter {name}: its median element differs by {median:.2e} x its largest value, "
+                        f"more than {median_rtol:.0e}: a small error in every element (a weight decay lost?)",
                         pytrace=False)
 
 
