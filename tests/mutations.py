@@ -46,6 +46,9 @@ SLIPS = {
     "readme_stage0_number": (
         "README.md", "model states read 1.67 MiB per rank", "model states read 0.67 MiB per rank",
         ["tests/test_readme.py::test_stage0_model_states_of_the_first_command"], "README's stage-0 number changed"),
+    "readme_stage3_table": (
+        "README.md", "|     0.21 |     0.83 |     4.12", "|     0.21 |     0.93 |     4.12",
+        ["tests/test_commands.py::test_first_command"], "README's sample table's stage-3 states changed"),
     "compare_k_of_n_always_n": (
         "bench/compare.py", '    exact = sum(r["states_measured"] == r["states_theory"] for r in rows)\n',
         "    exact = len(rows)\n",
@@ -67,6 +70,20 @@ SLIPS = {
         "            pass\n",
         ["tests/test_stages.py::test_parity_with_reference[stage2-2]"],
         "stage 2's step never all-gathers the updated shards into the parameters"),
+    "offload_dropped_weight_decay": (
+        "offload.py", "eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)",
+        "eps=self.optimizer.eps, weight_decay=0.0, grad_scale=coef)",
+        ["tests/test_fp16.py::test_fp16_parity_and_ledgers[offload]"],
+        "offload's C++ AdamW called without its weight decay (fp16: the tolerance's margin)"),
+    "formula_master_bytes": (
+        "train_gpt.py", '"master": 4, "adam_m": 4', '"master": 6, "adam_m": 4',
+        ["tests/test_estimate.py::test_estimate_equals_model_state_theory"],
+        "the formula's fp32 master at 6 bytes a parameter (bench/estimate.py follows it)"),
+    "compare_total_without_grad_acc": (
+        "bench/compare.py", 'states_measured=sum(v.get("measured", 0) for v in msb.values()),',
+        "states_measured=sum(meas.values()),",
+        ["tests/test_offload.py::test_compare_counts_the_accumulated_shard"],
+        "bench/compare.py's model-state total only the columns' (offload's grad_acc dropped)"),
 }
 
 
