@@ -27,7 +27,30 @@ class CommLedger:
     Timeline is attached (--timeline: one step's timeline)."""
     def __init__(self):
         self.sent = defaultdict(float)
+        self.calls = defaultdict(int)  # collectives called through the ledger, by name
         self.timeline = None
+        self.taken = {}  # the counts at the last take(), the ledger's calls and the process group's beside its bytes
+
+    def begin_step(self):
+        """A step begins: every count starts from zero, the ledger's and, where it is counted, the process group's."""
+        self.sent.clear()
+        self.calls.clear()
+        for counts in self._process_group():
+            counts.clear()
+
+    def _process_group(self):
+        """The process group's own counts (bytes, calls) by collective, where the runs keep them (the tests'
+        tests/count_collectives wraps torch.distributed's collectives: every call, whoever makes it); else none."""
+        seen = getattr(dist, "sent_at_process_group", None)
+        return [seen, dist.calls_at_process_group] if seen is not None else []
+
+    def take(self):
+        """What the step has sent so far, the ledger's bytes by collective (train_step returns them); self.taken keeps
+        the ledger's calls, and the process group's bytes and calls where they are counted, taken at the same moment."""
+        counts = [dict(c) for c in self._process_group()]
+        seen = dict(sent=counts[0], calls=counts[1]) if counts else None
+        self.taken = dict(calls=dict(self.calls), process_group=seen)
+        return dict(self.sent)
 
     def _ring(self):
         n = dist.get_world_size()
@@ -49,11 +72,13 @@ class CommLedger:
         return op
 
     def all_reduce(self, t, op, async_op=False):
+        self.calls["all_reduce"] += 1
         self.sent["all_reduce"] += 2 * t.numel() * t.element_size() * self._ring()
         op = self._average_first(t, op)
         return self._call("all_reduce", dist.all_reduce, t, op=op, async_op=async_op)
 
     def reduce_scatter(self, out, inp, op, async_op=False):
+        self.calls["reduce_scatter"] += 1
         self.sent["reduce_scatter"] += inp.numel() * inp.element_size() * self._ring()
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
         op = self._average_first(inp, op)
@@ -64,6 +89,7 @@ class CommLedger:
         return self._call("broadcast", dist.broadcast, t, src=src, async_op=False)
 
     def all_gather(self, out, inp, async_op=False):
+        self.calls["all_gather"] += 1
         self.sent["all_gather"] += out.numel() * out.element_size() * self._ring()
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._call("all_gather", fn, out, inp, async_op=async_op)
@@ -672,7 +698,7 @@ class Run:
         t0 = time.perf_counter()
         measuring = step == self.measure_step
         profiled = self.args.profile and step == self.profile_step
-        comm.sent.clear()
+        comm.begin_step()
         self.skipped_before = self.scaler.skipped  # if this step adds one, it was skipped
         with contextlib.ExitStack() as windows:
             meter = windows.enter_context(PeakMemory(self.device)) if measuring else None
@@ -690,7 +716,7 @@ class Run:
         """What train_step returned: the loss and the gradient norm (tensors on the device), the bytes sent. Read at
         once at the steps that log or save: the host waits for the device there, not twice every step."""
         if step == self.measure_step:
-            self.measured.update(sent=sent)
+            self.measured.update(sent=sent, counted=comm.taken)
         self.unread.append((loss, grad_norm))
         if log_due(step, self.end, self.args) or self.saves(step):
             self.history["losses"] += torch.stack([loss for loss, _ in self.unread]).tolist()
@@ -762,7 +788,9 @@ def summarize(run):
                 comm_bytes_per_step={"measured": sum(sent.values()), "theory": sum(th["comm"].values()),
                                      "by_collective": {k: {"measured": sent.get(k, 0.0),
                                                            "theory": th["comm"].get(k, 0.0)}
-                                                       for k in sorted(set(sent) | set(th["comm"]))}},
+                                                       for k in sorted(set(sent) | set(th["comm"]))},
+                                     # the ledger's calls, and what the process group itself saw, where it is counted
+                                     **measured["counted"]},
                 loss_scaler=vars(run.scaler))
 
 def activation_checkpoints(args, cfg, world_size):

@@ -442,7 +442,7 @@ def train_step(engine, data, args, step, device, measured=None):
         measured.update(holdings(engine.model_states(), [data.train, data.val], device))
     with torch.profiler.record_function("step"):
         grad_norm = engine.step(lr_at(step, args)).double() / scale  # the true gradient's (non-finite: skipped)
-    sent = dict(comm.sent)
+    sent = comm.take()
     if dist.is_initialized():
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
     return loss_sum, grad_norm, sent

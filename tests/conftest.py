@@ -80,7 +80,11 @@ class Runner:
     def env(self, extra=None):
         """The runs' environment: GPUs hidden unless this runner is the GPU suite's; `extra` on top."""
         hide = {} if self.gpu else {"CUDA_VISIBLE_DEVICES": ""}
-        return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **hide, **(extra or {})}
+        # every collective counted at the process group too (tests/count_collectives), but on the fake device, which
+        # has its own
+        count = [] if self.fake else [str(ROOT / "tests" / "count_collectives")]
+        path = os.pathsep.join([str(ROOT), *count])
+        return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **hide, **(extra or {})}
 
     def command(self, script, nproc, args):
         if self.fake:

@@ -31,6 +31,7 @@ COVERED = {
     FIRST: "test_first_command",  # (its pip install: .ci/run)
     "python -m pytest tests": "ci",
     "python -m pytest tests -m quick": "test_quick_check",
+    "python tests/mutations.py": "test_mutations",
     "python bench/compare.py": "test_compare",
     "python train_gpt.py": "tests/test_inputs.py::test_reference_learns_real_text",
     "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 stage3.py --preset gpt2-xl":
@@ -151,13 +152,14 @@ def memory_table(text):
 
 def test_first_command():
     """README.md's first command, 3 steps instead of 300: the table it ends with is README's sample (the peak, which
-    moves from run to run, within 10%)."""
-    out = run(FIRST.split(" && ")[1], "--steps", "3", *QUIET)
+    moves from run to run, within 10%). README's sample is bf16, as --dtype auto chose where it was measured: the run
+    asks for bf16 itself, so the comparison runs on every CPU (one without native bf16 runs it slowly)."""
+    said = re.search(r"memory per rank, MiB \(stage3, (\w+),", (ROOT / "README.md").read_text()).group(1)
+    out = run(FIRST.split(" && ")[1], "--steps", "3", "--dtype", said, *QUIET)
     got = memory_table(out)
     sample = memory_table(re.search(r"ended with:\n\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1))
     assert got[0].startswith("memory per rank") and got[2].split()[0] == "0-1" and got[3].split()[0] == "formula"
-    if "stage3: bf16" not in out:  # a CPU without fast bf16: another table than README's (bf16) sample
-        return
+    assert f"stage3: {said} (--dtype {said})" in out, out
     for line, want in zip(got, sample):
         if line.split("|")[0].strip() == "0-1":
             *cells, peak = line.split("|")
@@ -332,6 +334,19 @@ def test_quick_check():
     out = run("python -m pytest tests -m quick", "--collect-only", "-q", "-p", "no:cacheprovider")
     selected = sorted(ln.split("::")[-1] for ln in out.splitlines() if "::" in ln)
     assert selected == sorted(f"test_parity_with_reference[{s.removesuffix('.py')}-2]" for s in STAGES), selected
+
+
+def test_mutations():
+    """python tests/mutations.py at its smallest: one slip whose claiming tests start no run (lr_at's warmup off by
+    one, against tests/test_shared.py) is caught; and every slip's text is in its file exactly once (a slip out of
+    date would plant nothing)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mutations
+    for name, (file, old, *_) in mutations.SLIPS.items():
+        count = (ROOT / file).read_text(encoding="utf-8").count(old)
+        assert count == 1, f"tests/mutations.py's slip {name}: its text is in {file} {count} times, not once"
+    out = run("python tests/mutations.py", "lr_warmup_off_by_one")
+    assert "caught  lr_warmup_off_by_one" in out and "1 of 1 slips caught" in out, out
 
 
 def test_make_lessons(tmp_path):

@@ -23,6 +23,11 @@ estimate = _load("estimate")
 compare = _load("compare")
 STAGES = ["stage0", "stage1", "stage2", "stage3", "offload"]
 CATS = ["params", "grads", "master", "adam_m", "adam_v"]
+# The ZeRO paper's model, written out here apart from train_gpt's code (which bench/estimate.py calls): bytes per
+# parameter by category, and the categories each stage divides by N
+PAPER_BYTES = {"params": None, "grads": None, "master": 4, "adam_m": 4, "adam_v": 4}  # None: the dtype's bytes
+PAPER_SHARDED = {"stage0": (), "stage1": ("master", "adam_m", "adam_v"),
+                 "stage2": ("grads", "master", "adam_m", "adam_v"), "stage3": tuple(CATS), "offload": tuple(CATS)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -38,7 +43,9 @@ def test_estimate_equals_model_state_theory(world_size, dtype, offload_params):
         assert list(est) == STAGES
         for stage, r in est.items():
             padded = n_params if stage == "stage0" else math.ceil(n_params / world_size) * world_size
-            assert r["by_category"] == model_state_theory(stage, padded, world_size, pb), (stage, n_params)
+            paper = {k: (b or pb) * padded // (world_size if k in PAPER_SHARDED[stage] else 1)
+                     for k, b in PAPER_BYTES.items()}
+            assert r["by_category"] == paper, (stage, n_params, r["by_category"], paper)
             host = sum(v for k, v in r["by_category"].items() if k in host_categories(stage, offload_params))
             assert r["host"] == host and r["device"] + r["host"] == r["total"] == sum(r["by_category"].values())
             assert r["host_per_node"] == host * world_size  # no --gpus_per_node: one node of N ranks

@@ -23,9 +23,15 @@ FP16 = [a if a != "fp32" else "fp16" for a in TRAIN]  # TRAIN's 6 steps, grad_ac
 # tolerances are for those); Adam turns the noise of a near-zero gradient into a step of up to lr (1e-3 here), and in
 # fp16 more gradients are near zero relative to their noise. Measured at N = 2 and 4 (AMD EPYC, AVX-512): losses
 # within 1.4e-5, gradient norms within 1.0e-4 relative, 99.8% of each tensor's elements within 1e-3 of its largest,
-# none more than 5.0e-4 apart. The margins keep real mistakes visible: a sum instead of an average moves the norm by a
-# factor N, a lost micro-step halves it, and an update skipped or applied twice moves many elements by lr.
-LOSS_ATOL, NORM_RTOL, BULK_RTOL, BULK_SHARE, ATOL_ANY = 1e-4, 1e-3, 1e-3, 0.99, 2e-3
+# none more than 5.0e-4 apart. Measured again on an AMD EPYC with AVX2 only (Zen 3), every stage at N = 2, stage 0
+# and offload at N = 1 and 4: losses within 1.4e-5, norms 8.6e-5, none more than 5.02e-4 apart, and the median
+# element of every tensor within 2.21e-5 of its largest value. The margins keep real mistakes visible: a sum instead
+# of an average moves the norm by a factor N, a lost micro-step halves it, and an update skipped or applied twice
+# moves many elements by lr. ATOL_ANY is twice the largest difference measured (that one element is Adam's noise, up
+# to lr / 2); MEDIAN_RTOL, about twice the median measured, is what a small systematic error moves: offload's C++
+# AdamW without its weight decay (measured there) moves the median of every tensor by 6.4e-5 to 3.7e-4 (the norms'
+# weights, which sit at 1.0, by lr x weight_decay each step), 1.3x to 7x past it.
+LOSS_ATOL, NORM_RTOL, BULK_RTOL, BULK_SHARE, ATOL_ANY, MEDIAN_RTOL = 1e-4, 1e-3, 1e-3, 0.99, 1e-3, 5e-5
 # The paper's model-state formulas in fp16 (2 + 2 + 12 bytes per parameter), per rank; offload's 16Ψ/N plus the
 # gradient shard it sums on the device over FP16's 2 micro-steps (2Ψ/N)
 PAPER = {"stage0": "16Ψ", "stage1": "4Ψ + 12Ψ/N", "stage2": "2Ψ + 14Ψ/N", "stage3": "16Ψ/N", "offload": "18Ψ/N"}
@@ -126,7 +132,7 @@ def assert_matches(expected, got, where):
     for k, (a, b) in enumerate(zip(e["losses"], g["losses"])):
         assert abs(a - b) <= LOSS_ATOL, f"{where}: loss at step {k} is {b:.7f}, expected {a:.7f}"
     assert abs(g["val_loss"] - e["val_loss"]) <= 10 * LOSS_ATOL, f"{where}: val loss {g['val_loss']} != {e['val_loss']}"
-    compare_params(expected.master, got.master, where, BULK_RTOL, BULK_SHARE, ATOL_ANY)
+    compare_params(expected.master, got.master, where, BULK_RTOL, BULK_SHARE, ATOL_ANY, MEDIAN_RTOL)
 
 
 def check_ledgers(run, nproc, where):

@@ -1,17 +1,21 @@
 """Every pair of options runs: an all-pairs (covering array) matrix over what a run takes, each row 2 steps of the tiny
 GPT that must end with its report: exit 0, the memory table printed, --out's JSON written, every file asked for
 there (--save_master, --timeline's and --profile's traces, one per rank), and on the fake CUDA device
-(tests/fake_cuda.py, the CUDA paths on this CPU) nothing refused.
+(tests/fake_cuda.py, the CUDA paths on this CPU) nothing refused; and with numbers that hold (check_numbers): the
+ledgers equal to their formulas, losses finite and plausible, a resumed row equal to the same row run straight.
 
 The factors: the stage or offload mode, the dtype, N, --grad_accum, --checkpoint_activations, --timeline, --profile,
-resume (a run stopped after step 1 with --ckpt_dir, then --resume), --save_master, --grad_clip 1 or 0, --warmup 0 or
-the default, --no_prefetch (stage 3 and offload only), and the device. A two-option mistake (a KeyError for one
-dtype under one switch) needs only its pair in some row: `pairwise` below makes rows that hold every allowed pair of
-values, greedily and deterministically, and test_rows_cover_every_pair checks that they do. Some triples are asked
-for too (REQUIRED): on the fake device, checkpoint save and resume under every stage and offload mode, and
---checkpoint_activations in every dtype. Each row's pytest id names its options."""
+resume (the row run straight for 4 steps with --ckpt_dir, then resumed from its checkpoint after step 2),
+--save_master, --grad_clip 1 or 0, --warmup 0 or the default, --no_prefetch (stage 3 and offload only), and the
+device. A two-option mistake (a KeyError for one dtype under one switch) needs only its pair in some row:
+`pairwise` below makes rows that hold every allowed pair of values, greedily and deterministically, and
+test_rows_cover_every_pair checks that they do. Some triples are asked for too (REQUIRED): on the fake device,
+checkpoint save and resume under every stage and offload mode, and --checkpoint_activations in every dtype. Each
+row's pytest id names its options."""
 import itertools
 import json
+import math
+import shutil
 
 import pytest
 
@@ -96,7 +100,7 @@ def test_rows_cover_every_pair():
 
 
 def command(row):
-    """The script and arguments of a row's run (the run that reports, after a stopped one when it resumes)."""
+    """The script and arguments of a row's run (the run that reports, after a straight one when it resumes)."""
     script, *args = ENGINES[row["engine"]]
     args = [*args, *RUN, "--dtype", row["dtype"], "--grad_accum", str(row["grad_accum"]),
             "--batch_size", str(row["nproc"] * row["grad_accum"])]
@@ -122,12 +126,16 @@ def train(tmp, script, args, row, findings):
 def test_every_pair_runs(tmp_path, row):
     script, args = command(row)
     findings = tmp_path / "findings"
-    if row["resume"]:  # a run stopped after its first step saves a checkpoint; the run below resumes from it
-        first, text = train(tmp_path, script, [*args, "--steps", "3", "--stop_after", "1", "--ckpt_dir",
-                                               str(tmp_path / "ck")], row, tmp_path / "findings_stopped")
-        assert first.returncode == 0, f"the run stopped after step 1 failed:\n{text}"
-        assert "stopped after step 1 of 3" in first.stdout, text
-        args += ["--steps", "3", "--resume", str(tmp_path / "ck")]
+    if row["resume"]:  # the row run straight for 4 steps, saving after step 2; the run below resumes from there
+        # (and trains 2 steps, as every row: --profile needs one the memory meter leaves alone)
+        straight_out = tmp_path / "straight.json"
+        first, text = train(tmp_path, script, [*args, "--steps", "4", "--save_every", "2", "--ckpt_dir",
+                                               str(tmp_path / "ck"), "--out", str(straight_out)], row,
+                            tmp_path / "findings_straight")
+        assert first.returncode == 0, f"the straight run failed:\n{text}"
+        saved = tmp_path / "ck" / "step_000002"
+        shutil.copytree(saved, tmp_path / "resume" / saved.name)  # a directory of its own: the resumed run saves too
+        args += ["--steps", "4", "--resume", str(tmp_path / "resume")]
     else:
         args += ["--steps", "2"]
     files = {"--out": tmp_path / "summary.json"}
@@ -140,7 +148,12 @@ def test_every_pair_runs(tmp_path, row):
     assert "--- sample ---" in job.stdout, f"no sample at the end:\n{text}"
     summary = json.loads(files["--out"].read_text())
     assert summary["dtype"] == row["dtype"] and summary["world_size"] == row["nproc"], summary
-    assert summary["resumed_from"] == (1 if row["resume"] else 0), summary["resumed_from"]  # the step it resumed
+    assert summary["resumed_from"] == (2 if row["resume"] else 0), summary["resumed_from"]  # the step it resumed
+    check_numbers(summary, row)
+    if row["resume"]:  # the resumed run's history and last step: the straight run's, bit for bit
+        straight = json.loads(straight_out.read_text())
+        for key in ("losses", "grad_norms", "val_loss"):
+            assert summary[key] == straight[key], f"resumed at step 2, {key} {summary[key]}; straight {straight[key]}"
     if row["checkpoint_activations"]:  # what each block keeps: one micro-batch's input, in the run's dtype
         kept = summary["activation_checkpoints"]["bytes_per_block"]
         assert kept == summary["config"]["block_size"] * summary["config"]["n_embd"] * BYTES[row["dtype"]], summary
@@ -150,6 +163,29 @@ def test_every_pair_runs(tmp_path, row):
     for option, trace in (("--timeline", "trace_rank{}.json"), ("--profile", "rank{}.json")):
         for r in range(row["nproc"] if option in files else 0):
             assert (files[option] / trace.format(r)).exists(), f"{option}: no {trace.format(r)} in {files[option]}"
+
+
+def check_numbers(summary, row):
+    """A row's numbers: its ledgers equal their formulas (model states category by category, bytes sent collective by
+    collective, and on the CPU the process group's count equal to the ledger's), and its losses are finite, above
+    the unigram loss (a GPT two steps from its initialisation cannot know more than the characters' frequencies:
+    below it, the loss is mis-scaled, halved by a second division by grad_accum say, or the targets leak into the
+    inputs) and below twice the loss of a uniform guess (ln V: a run that diverges)."""
+    where = name(row)
+    for category, v in summary["model_state_bytes"].items():
+        assert v["measured"] == v["theory"], f"{where}: {category} {v['measured']:,} bytes, formula {v['theory']:,}"
+    comm = summary["comm_bytes_per_step"]
+    for op, v in comm["by_collective"].items():
+        assert v["measured"] == pytest.approx(v["theory"], rel=1e-9, abs=1e-6), (
+            f"{where}: {op} sent {v['measured']:,.0f} bytes per step, the formula says {v['theory']:,.0f}")
+    seen = comm.get("process_group")
+    if seen is not None:
+        assert seen["calls"] == comm["calls"], f"{where}: the process group saw {seen['calls']}, ledger {comm['calls']}"
+    uniform = math.log(summary["config"]["vocab_size"])
+    for k, loss in enumerate(summary["losses"] + [summary["val_loss"]]):
+        assert math.isfinite(loss) and summary["unigram_loss"] < loss < 2 * uniform, (
+            f"{where}: loss {loss} ({k}: {len(summary['losses'])} steps, then validation), expected finite and between "
+            f"the unigram loss {summary['unigram_loss']:.3f} and 2 ln V = {2 * uniform:.3f}")
 
 
 def test_fp16_with_checkpointed_activations(tmp_path):

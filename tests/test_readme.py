@@ -1,5 +1,6 @@
 """README's numbers that come from the files themselves (the table of lessons), and the size of the
 ladder's steps: each diff must carry its one idea and little else, each file must fit a reading."""
+import re
 import sys
 
 import pytest
@@ -44,3 +45,83 @@ def test_files_fit_a_reading(name):
     wide = [f"{name}:{i}: {len(ln)} columns" for i, ln in enumerate(lines, 1) if len(ln) > WIDTH]
     assert len(lines) <= MOST_LINES[name] and not wide, (
         f"{name}: {len(lines)} lines (at most {MOST_LINES[name]}); wider than {WIDTH}: " + ("; ".join(wide) or "none"))
+
+
+# ---- README's numbers, computed here from the code that makes them
+
+def readme():
+    return (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def first_command_model():
+    """The first command's GPT (--preset tiny on the built-in corpus) and its data: Ψ without training it."""
+    import torch
+    from train_gpt import GPT, PRESETS, CharData, GPTConfig, load_text
+    n_layer, n_head, n_embd, block_size, vocab_size = PRESETS["tiny"]
+    cfg = GPTConfig(block_size, vocab_size, n_layer, n_head, n_embd)
+    data = CharData(load_text(None), cfg.block_size)
+    cfg.vocab_size = max(cfg.vocab_size, len(data.chars))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return sum(p.numel() for p in model.parameters()), data
+
+
+def test_stage0_model_states_of_the_first_command():
+    """"Run stage0_ddp.py the same way and the model states read X MiB per rank (16Ψ)": the formula's total for the
+    first command's GPT at N = 2 in bf16 (stage 0 pads nothing)."""
+    from train_gpt import formula_text, model_state_theory
+    n, _ = first_command_model()
+    said = re.search(r"model states read ([\d.]+) MiB per rank \((\S+)\)", readme())
+    assert said, "README no longer says what stage 0's model states read"
+    mib = sum(model_state_theory("stage0", n, 2, param_bytes=2).values()) / 2**20
+    assert said.group(1) == f"{mib:.2f}", f"README: stage 0 holds {said.group(1)} MiB per rank; the formula, {mib:.2f}"
+    assert said.group(2) == formula_text("stage0", param_bytes=2), f"README says {said.group(2)}"
+
+
+def test_unigram_loss_of_the_first_command():
+    """"(X for a guess from the characters' frequencies alone)": the built-in corpus's unigram loss."""
+    _, data = first_command_model()
+    said = re.search(r"\(([\d.]+) for a guess from the characters' frequencies alone\)", readme())
+    assert said and said.group(1) == f"{data.unigram_loss:.2f}", (
+        f"README says {said.group(1) if said else None}, the corpus's unigram loss is {data.unigram_loss:.2f}")
+
+
+def ladder_sends(stage):
+    """The ladder's "sends per step" as k for kΨ: comm_theory's elements per rank over Ψ(N-1)/N, at a size where
+    the gradient norm's 8 bytes vanish."""
+    from train_gpt import comm_theory
+    n, world = 10**9, 2
+    return round(sum(comm_theory(stage, n, world, param_bytes=1).values()) / (n * (world - 1) / world))
+
+
+def test_ladder_formulas_are_the_code_formulas():
+    """The ladder's model states and sends per step, the figure's sentence and the fp32 formulas: each as
+    train_gpt.formula_text and comm_theory compute them."""
+    from train_gpt import formula_text
+    text = readme()
+    ladder = text[text.index("## The ladder"):]
+    ladder = ladder[:ladder.index("\n\n", ladder.index("| file |"))]
+    rows = {m.group(1): [c.strip() for c in m.group(2).split("|")]
+            for m in re.finditer(r"^\| `(\w+)\.py` \|(.*)\|$", ladder, re.M)}
+    for stage, file in (("stage0", "stage0_ddp"), ("stage1", "stage1"), ("stage2", "stage2"), ("stage3", "stage3")):
+        _, states, sends = rows[file]
+        want = formula_text(stage, param_bytes=2)
+        assert states == want or states.endswith(f"= {want}") or states.startswith(f"{want} +"), (
+            f"README's ladder: {file}.py holds {states!r}, the formula is {want}")
+        want = f"{ladder_sends(stage)}Ψ"
+        assert sends == want, f"README's ladder: {file}.py sends {sends!r}, comm_theory says {want}"
+    _, offload, sends = rows["offload"]
+    device = re.search(r"device (\d+)Ψ/N", offload)
+    host = re.search(r"host (\d+)Ψ/N", offload)
+    accum = re.search(r"\+ (\d+)Ψ/N with `--grad_accum`", offload)
+    assert f"{int(device.group(1)) + int(host.group(1))}Ψ/N" == formula_text("offload", param_bytes=2), offload
+    extra = int(formula_text("offload", 2, grad_acc=True)[:-3]) - int(formula_text("offload", 2)[:-3])
+    assert int(accum.group(1)) == extra, f"README: --grad_accum adds {accum.group(1)}Ψ/N, the formula {extra}Ψ/N"
+    assert sends.startswith(f"{ladder_sends('offload')}Ψ"), sends
+    chain = " → ".join(formula_text(s, param_bytes=2) for s in ("stage0", "stage1", "stage2", "stage3"))
+    assert f"model states fall as {chain}," in text, f"README's figure sentence should read: {chain}"
+    comm = f"{ladder_sends('stage0')}Ψ(N−1)/N for stages 0-2 and rises to {ladder_sends('stage3')}Ψ(N−1)/N"
+    assert ladder_sends("stage1") == ladder_sends("stage2") == ladder_sends("stage0") and comm in text, comm
+    fp32 = ", ".join(formula_text(s, param_bytes=4) for s in ("stage0", "stage1", "stage2"))
+    fp32 += f" and {formula_text('stage3', param_bytes=4)}"
+    assert f"formulas read {fp32};" in " ".join(text.split()), f"README's fp32 formulas should read: {fp32}"

@@ -1,0 +1,152 @@
+"""The suite run on itself: one-line slips a student or a refactor could make, each planted in a copy of the
+repository and run against only the tests that claim to catch it. A slip those tests pass is a hole in the suite.
+
+    python tests/mutations.py              # every slip: a few minutes on 2 cores (each pytest session starts its runs)
+    python tests/mutations.py lr_warmup    # the slips named
+    python tests/mutations.py --list       # what each slip plants, and which tests claim it
+
+Each slip replaces one exact piece of text (found exactly once, or the slip itself is out of date and says so) in a
+copy of the working tree (tracked and untracked files, not those .gitignore names); then `python -m pytest -x` runs
+the claiming tests there. Caught: they fail (exit code 1), and the first failing test is named. Not run by CI (each
+slip starts its own runs); tests/README.md says when to run it."""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (file, the text as it is, the text with the slip, the tests that claim to catch it, what the slip is)
+SLIPS = {
+    "stage2_direct_all_reduce": (
+        "stage2.py",
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        "            dist.all_reduce(b.grad, op=dist.ReduceOp.AVG)\n"
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        ["tests/test_stages.py::test_every_collective_goes_through_the_ledger[stage2-2]"],
+        "an extra all-reduce of every bucket, called on torch.distributed directly (numbers unchanged)"),
+    "lr_warmup_off_by_one": (
+        "train_gpt.py", "        return args.lr * (step + 1) / args.warmup\n",
+        "        return args.lr * step / args.warmup\n",
+        ["tests/test_shared.py"], "lr_at's warmup one step late (step 0 trains with lr 0)"),
+    "adam_step_off_by_one": (
+        "train_gpt.py", "        self.step_tensor.fill_(self.t)\n", "        self.step_tensor.fill_(self.t + 1)\n",
+        ["tests/test_adamw.py"], "AdamW's bias correction one step ahead"),
+    "stage1_fp32_copy": (
+        "stage1.py", "        self.optimizer = AdamW(self.master, args)\n",
+        "        self.optimizer = AdamW(self.master, args)\n"
+        "        self.copy = torch.cat([b.param for b in self.buckets]).float()\n",
+        ["tests/test_stages.py::test_freed_what_the_stage_promises[stage1-2]"],
+        "stage 1 keeps a whole fp32 copy of the parameters outside model_states() (4Ψ per rank)"),
+    "readme_stage0_number": (
+        "README.md", "model states read 1.67 MiB per rank", "model states read 0.67 MiB per rank",
+        ["tests/test_readme.py::test_stage0_model_states_of_the_first_command"], "README's stage-0 number changed"),
+    "readme_stage3_table": (
+        "README.md", "|     0.21 |     0.83 |     4.12", "|     0.21 |     0.93 |     4.12",
+        ["tests/test_commands.py::test_first_command"], "README's sample table's stage-3 states changed"),
+    "compare_k_of_n_always_n": (
+        "bench/compare.py", '    exact = sum(r["states_measured"] == r["states_theory"] for r in rows)\n',
+        "    exact = len(rows)\n",
+        ["tests/test_shared.py::test_compare_counts_runs_that_disagree"],
+        "bench/compare.py's \"equal to the formula in k of n runs\" always n of n"),
+    "stage2_sum_for_avg": (
+        "stage2.py",
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.SUM, async_op=True)\n",
+        ["tests/test_stages.py::test_parity_with_reference[stage2-2]"], "stage 2's gradients summed, not averaged"),
+    "offload_dropped_accumulation": (
+        "offload.py", "        b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)",
+        "        b.acc = b.reduced", ["tests/test_stages.py::test_parity_with_reference[offload-2]"],
+        "offload keeps only the last micro-step's gradient shard (--grad_accum's sum dropped)"),
+    "stage2_missed_all_gather": (
+        "stage2.py",
+        "            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))"
+        "  # every rank's shard, cast\n",
+        "            pass\n",
+        ["tests/test_stages.py::test_parity_with_reference[stage2-2]"],
+        "stage 2's step never all-gathers the updated shards into the parameters"),
+    "offload_dropped_weight_decay": (
+        "offload.py", "eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)",
+        "eps=self.optimizer.eps, weight_decay=0.0, grad_scale=coef)",
+        ["tests/test_fp16.py::test_fp16_parity_and_ledgers[offload]"],
+        "offload's C++ AdamW called without its weight decay (fp16: the tolerance's margin)"),
+    "formula_master_bytes": (
+        "train_gpt.py", '"master": 4, "adam_m": 4', '"master": 6, "adam_m": 4',
+        ["tests/test_estimate.py::test_estimate_equals_model_state_theory"],
+        "the formula's fp32 master at 6 bytes a parameter (bench/estimate.py follows it)"),
+    "compare_total_without_grad_acc": (
+        "bench/compare.py", 'states_measured=sum(v.get("measured", 0) for v in msb.values()),',
+        "states_measured=sum(meas.values()),",
+        ["tests/test_offload.py::test_compare_counts_the_accumulated_shard"],
+        "bench/compare.py's model-state total only the columns' (offload's grad_acc dropped)"),
+}
+
+
+def copy_tree(dest):
+    """The working tree's files (tracked, and untracked but not ignored) into dest."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def plant(name):
+    """Plant slip `name` in a fresh copy; run its tests there. Returns (caught, what caught it or why not, seconds)."""
+    file, old, new, tests, _ = SLIPS[name]
+    with tempfile.TemporaryDirectory(prefix=f"slip_{name}_") as tmp:
+        dest = Path(tmp)
+        copy_tree(dest)
+        text = (dest / file).read_text(encoding="utf-8")
+        if text.count(old) != 1:
+            return None, f"out of date: {file} holds the slip's text {text.count(old)} times, not once", 0.0
+        (dest / file).write_text(text.replace(old, new), encoding="utf-8")
+        t = time.monotonic()
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["COLUMNS"] = "400"  # pytest cuts its summary lines to the terminal's width
+        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], cwd=dest,
+                           capture_output=True, text=True, env=env)
+        seconds = time.monotonic() - t
+        failed = re.findall(r"^FAILED (\S+)(?: - (.*))?$", p.stdout, re.M)
+        if p.returncode == 1 and failed:
+            test, message = failed[0]
+            return True, f"{test}: {(message or '').strip()[:150]}", seconds
+        if p.returncode == 0:
+            return False, "every claiming test passed", seconds
+        tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+        return None, f"pytest exit code {p.returncode}: " + " | ".join(tail), seconds
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="the slips to plant (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the slips and the tests that claim them")
+    a = parser.parse_args(argv)
+    unknown = [n for n in a.names if n not in SLIPS]
+    if unknown:
+        raise SystemExit(f"error: no slip named {', '.join(unknown)}; --list shows them")
+    names = a.names or list(SLIPS)
+    if a.list:
+        for n in names:
+            file, _, _, tests, what = SLIPS[n]
+            print(f"{n}: {what} ({file}); claimed by {' '.join(tests)}")
+        return 0
+    missed = 0
+    for n in names:
+        caught, detail, seconds = plant(n)
+        word = {True: "caught", False: "MISSED", None: "ERROR"}[caught]
+        missed += caught is not True
+        print(f"{word:7s} {n} ({seconds:.0f} s): {detail}", flush=True)
+    print(f"{len(names) - missed} of {len(names)} slips caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
