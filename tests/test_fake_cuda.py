@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, Runner, last_lines
 
 FAKE_CUDA = str(ROOT / "tests" / "fake_cuda.py")
-RUN = ["--preset", "tiny", "--steps", "2", "--eval_batches", "1", "--sample_chars", "0", "--no_progress"]
+RUN = ["--preset", "tiny", "--steps", "3", "--eval_batches", "1", "--sample_chars", "0", "--no_progress"]
 CONFIGS = {"stage0": ["stage0_ddp.py"], "stage1": ["stage1.py"], "stage2": ["stage2.py"], "stage3": ["stage3.py"],
            "offload": ["offload.py"], "offload_params": ["offload.py", "--offload_params"],
            "delayed_update": ["offload.py", "--delayed_update"]}
