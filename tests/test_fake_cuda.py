@@ -99,9 +99,10 @@ def test_collective_on_a_host_tensor(tmp_path):
 
 
 def test_op_mixing_devices(tmp_path):
-    """A kernel given a GPU tensor and a host tensor of one element (not 0-dim: no scalar argument)."""
+    """A kernel given a GPU tensor and a host tensor of one element (not 0-dim: no scalar argument): the clipping
+    factor, a 0-dim host tensor (the host reads the norm once a step), made 1-dim."""
     script, line = changed(tmp_path, "stage0_ddp.py", r"coef = (clip_coef\(.*\))",
-                           r"coef = \1.cpu().view(1)")
+                           r"coef = \1.view(1).clone()")
     found = refused(tmp_path, script)
     assert any(re.search(rf"aten\.mul_?\.Tensor: self cuda\[\d+\], other cpu\[1\] \(made at stage0_ddp\.py:{line}\)", m)
                for m in found), "\n".join(found)
