@@ -7,7 +7,8 @@ the line where the unordered access (or the mismatched collective, or the free) 
     Copies.copy without record_stream                          the device buffer freed while the copy stream reads it
     compute_waits without wait_event (the update's copies up)  the next all-gather reads parameters the copy writes
     step without the host's wait for the gradients' event      the host reads the pinned gradient shard unordered
-    --delayed_update without the wait after the copies up      the next update rewrites staging under the copy
+    --delayed_update without the wait after the copies up      the next update (its thread) rewrites staging under
+                                                                 the copy
     Copies.host_waits without event.synchronize()              the host reads the pinned gradient shard unordered
     _use without b.gather.wait()                               forward reads parameters the all-gather writes
     _release without b.work.wait()                             the copy reads the reduce-scatter's output unordered
@@ -67,7 +68,8 @@ BATTERY = {
         file="offload.py", line=r"self\.copies\.host_waits\(self\.copies\.event\(\)\)  # for the next forward",
         new=["pass  # no host_waits"], flags=["--delayed_update"], nproc=1,
         at=r"self\.adam\.adam_step\(self\.master",
-        says=rf"stream order: cpu_adam\.adam_step on the host: touches memory that {COPY_STREAM} reads in aten\.copy_"),
+        says=rf"stream order: cpu_adam\.adam_step on the host thread \S+: touches memory that {COPY_STREAM} reads in "
+             rf"aten\.copy_"),
     "host_waits_without_synchronize": dict(  # Copies.host_waits itself: every wait of the host's
         file="offload.py", line=r"event\.synchronize\(\)", new=["pass  # no synchronize"], flags=[], nproc=1,
         at=r"self\.adam\.adam_step\(self\.master",
