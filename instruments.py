@@ -535,15 +535,18 @@ def pinned_tensor_bytes():
     return sum(seen.values())
 
 class PeakMemory:
-    """Peak bytes of live tensors during a `with` block: the CUDA allocator's counter on GPU; on CPU, the
-    live bytes at entry plus the highest running sum of the allocations and frees the profiler records
-    (RSS would mislead: glibc keeps freed buffers)."""
+    """Peak bytes of live tensors during a `with` block: the CUDA allocator's counter on GPU, less cuBLAS's
+    workspaces (named apart: `workspace`); on CPU, the live bytes at entry plus the highest running sum of the
+    allocations and frees the profiler records (RSS would mislead: glibc keeps freed buffers)."""
     def __init__(self, device):
         self.device, self.peak, self.largest = device, 0, 0  # largest: the largest single allocation (CPU only)
+        self.workspace = 0  # cuBLAS's workspaces in the peak (CUDA only)
 
     def __enter__(self):
+        # On CUDA the allocator's counters are the host's: a block counts from the call that asks for it, whether or
+        # not the GPU has run the kernels queued before. So no synchronize, which would also order every stream
+        # around the measured step and hide a missing wait there.
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
@@ -557,8 +560,14 @@ class PeakMemory:
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
+            # cuBLAS keeps a workspace per handle and stream (32 MiB each on Hopper), made at its first matmul there
+            # (in the warm-up step) and kept: in the peak, but neither states nor activations. Freed here, its bytes
+            # are what memory_allocated loses; the next step makes it again.
+            held = torch.cuda.memory_allocated(self.device)
+            torch._C._cuda_clearCublasWorkspaces()
+            self.workspace = held - torch.cuda.memory_allocated(self.device)
+            self.peak -= self.workspace
             return
         self.prof.__exit__(*exc)
         self.quiet.__exit__(*exc)
@@ -708,7 +717,7 @@ class Run:
                 windows.enter_context(self.trace.window(step))
             yield self.measured if measuring else None
         if meter:
-            self.measured.update(peak=meter.peak)
+            self.measured.update(peak=meter.peak, workspace=meter.workspace)
         elif not profiled:
             self.step_times.append(time.perf_counter() - t0)
 
@@ -779,6 +788,7 @@ def summarize(run):
                 steps_done=run.end, resumed_from=run.start, unigram_loss=run.data.unigram_loss,
                 tokens_per_s=args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0,
                 peak_memory_bytes=measured["peak"], other_tensor_bytes=measured["other"],
+                workspace_bytes=measured.get("workspace", 0),
                 pinned_host_bytes={"measured": measured["pinned"], "theory": th["pinned"]},
                 model_state_bytes={k: {"measured": states.get(k, 0), "theory": v,  # where: its tensors' device (GPU)
                                        "where": where.get(k) if where else "host" if k in th["host"] else "device"}
@@ -819,6 +829,9 @@ def report(summary, th):
         print(f"activations checkpointed: each of the {a['blocks']} blocks keeps only its input for backward "
               f"({a['micro_batch']} x {s['config']['block_size']} x {s['config']['n_embd']}, {a['bytes_per_block'] / 2**10:.1f} "
               f"KiB); one block's activations at a time are recomputed in backward")
+    if s.get("workspace_bytes"):
+        print(f"peak without cuBLAS's workspaces ({s['workspace_bytes'] / 2**20:.2f} MiB on rank 0, one per handle and "
+              f"stream, kept from the first matmul): states + activations")
     if th["pinned"]:
         print(f"pinned host memory {s['pinned_host_bytes']['measured'] / 2**20:.2f} MiB (theory {th['pinned'] / 2**20:.2f}: "
               f"PyTorch rounds each pinned allocation up to a power of two)")

@@ -27,7 +27,8 @@ allocation raises OutOfMemoryError, and a leak (device memory that grows from st
 that made what is held. A device the project names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives,
 whatever its inputs' device.
 """
-import collections, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback, types, weakref
+import collections, concurrent.futures, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback
+import types, weakref
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 aten = torch.ops.aten
 INDEXING = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)  # (host indices are moved over)
 tags = weakref.WeakKeyDictionary()  # storage -> (device: "cuda:i", "cpu" or "pinned" (a pinned host buffer), made at)
+origins = weakref.WeakKeyDictionary()  # storage -> "file:line #k": its allocation site, the k-th storage made there
+made_at = collections.Counter()  # allocation site -> storages made there so far
 blocks = weakref.WeakKeyDictionary()  # storage -> its fake_memory.Block (device and pinned storages)
 findings, seen = collections.Counter(), collections.Counter()  # refusals; what was checked (the tests: not nothing)
 state = types.SimpleNamespace(device=int(os.environ.get("LOCAL_RANK", 0)), nccl=False, dirs=[ROOT], compute=None)
@@ -49,7 +52,8 @@ class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
             exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
-            tensor=torch.tensor)
+            tensor=torch.tensor, start=threading.Thread.start, join=threading.Thread.join,
+            submit=concurrent.futures.ThreadPoolExecutor.submit)
 
 
 def tag(t):
@@ -83,6 +87,24 @@ def where(stack=None):
             frames.insert(-1, f"{os.path.relpath(path, d)}:{lineno}")
     caller = next((fr for fr in frames if fr.split(":")[0] not in ("instruments.py", "devices.py")), frames[0])
     return caller + f" (via {frames[0]})" * (caller != frames[0])
+
+def call_stack(depth=3):
+    """The project's innermost `depth` frames of this thread but the shared plumbing's (the comm ledger,
+    devices.py), 'file:line < its caller's file:line < ...'."""
+    frames = []
+    for file, lineno in this_stack(sys._getframe(1)):
+        path = os.path.abspath(file)
+        d = next((d for d in state.dirs if path.startswith(d + os.sep)), None)
+        if d and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path:
+            name = os.path.relpath(path, d)
+            if name not in ("instruments.py", "devices.py"):
+                frames.append(f"{name}:{lineno}")
+    return " < ".join(frames[:depth]) or "?"
+
+def identity(t):
+    """Which buffer t is, alike on every rank that makes the same buffers in the same order: the site that made its
+    storage, the how-manieth storage made there, and the byte offset of t in it."""
+    return f"made at {origins.get(t.untyped_storage(), '?')} +{t.storage_offset() * t.element_size()}"
 
 def this_stack(f):
     while f is not None:
@@ -140,15 +162,18 @@ class FakeCuda(TorchDispatchMode):
             str(want) if want.type == "cuda" else "pinned" if pin else "cpu"  # (a buffer like a pinned one: pageable)
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor) and real["device"](t).type == "cpu" and t.untyped_storage() not in tags:
-                tags[t.untyped_storage()] = (new, where())
+                site = where()
+                tags[t.untyped_storage()] = (new, site)
+                made_at[site] += 1
+                origins[t.untyped_storage()] = f"{site} #{made_at[site]}"
                 if new != "cpu":  # device or pinned memory, counted while the storage lives (OutOfMemoryError)
-                    blocks[t.untyped_storage()] = fake_memory.allocated(t.untyped_storage(), new, where())
+                    blocks[t.untyped_storage()] = fake_memory.allocated(t.untyped_storage(), new, site)
                 if new != "cpu":  # device memory, or pinned host memory: the stream model follows it
                     streams.allocated(t.untyped_storage(), current_stream().id, device=new.startswith("cuda"))
         if not flags.collective:  # a kernel on the current stream; on pinned host memory alone, the host's work
             on = [t for t in fake_streams.tensors_in([args, kwargs, out]) if tag(t) != "cpu"]
             if on:
-                stream_id = current_stream().id if any(not host(t) for t in on) else fake_streams.HOST
+                stream_id = current_stream().id if any(not host(t) for t in on) else streams.host()
                 streams.kernel(stream_id, func, args, kwargs, out)
                 if waits:  # a blocking copy between device and host, a value read: the host waits for the stream
                     streams.host_waits_for_stream(stream_id)
@@ -256,11 +281,16 @@ def tensor(data, *args, device=None, **kwargs):
         return real["tensor"](data, *args, **kwargs).to(device)
     return real["tensor"](data, *args, device=device, **kwargs)
 
-def tolist(t, real_tolist=torch.Tensor.tolist):
-    """Tensor.tolist reads the values where they are, below the dispatcher: of a GPU tensor, a host sync."""
-    if not host(t):
-        host_sync(f"tolist() of {shown('self', t)}")
-    return real_tolist(t)
+def read_below(name, real_read):
+    """Tensor.<name> (tolist, numpy, data_ptr) reads the values where they are, below the dispatcher: of a GPU tensor
+    a host sync; of pinned host memory, a read of it by this thread's host (a copy may still be filling it)."""
+    def read(t, *args, **kwargs):
+        if not host(t):
+            host_sync(f"{name}() of {shown('self', t)}")
+        elif tag(t) == "pinned":
+            streams.tensors(streams.host(), f"Tensor.{name}", [t], [])
+        return real_read(t, *args, **kwargs)
+    return read
 
 def init_process_group(backend=None, *args, **kwargs):
     """nccl -> gloo, without device_id; the calls keep NCCL's rules."""
@@ -293,7 +323,8 @@ def nccl_checked(name, fn):
         named = tensors(bound.items())
         if any(tag(t) != f"cuda:{state.device}" for _, t in named):
             refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named))
-        mismatch = collectives.mismatch(dist, name, named, where())
+        options = {k: v for k, v in bound.items() if k in ("op", "src", "dst", "group_src", "group_dst")}
+        mismatch = collectives.mismatch(dist, name, [(n, t, identity(t)) for n, t in named], options, call_stack())
         if mismatch:  # issued, it would hang or mix unrelated buffers: stop here, with every finding
             refuse(f"c10d {name}", mismatch)
             sys.stdout.flush()
@@ -301,8 +332,8 @@ def nccl_checked(name, fn):
         state.nccl_stream.wait_stream(issued_on)  # NCCL's stream runs it after the work queued where it was issued
         streams.tensors(fake_streams.NCCL, f"c10d {name}", *fake_streams.collective_tensors(name, named))
         done = state.nccl_stream.record_event()
-        for _, t in named:  # c10d holds its tensors' memory for NCCL's stream until the collective is done
-            streams.record_stream(t, fake_streams.NCCL)
+        for _, t in named:  # c10d holds its tensors (a reference) until the collective is waited for
+            streams.hold(t, fake_streams.NCCL)
         work = during("collective", True, fn)(*args, **kwargs)
         join = lambda event: streams.wait(current_stream().id, event.id)  # noqa: E731  (no count: not forward's wait)
         if bound.get("async_op"):
@@ -311,30 +342,43 @@ def nccl_checked(name, fn):
         return work
     return checked
 
+def entry_point(name, fn):
+    """One of the C++ extension's entry points (cpu_adam.cpp): it reads (and adam_step writes) its tensors' memory
+    through host pointers, below the dispatcher, as work of the calling thread's host; a GPU tensor is refused."""
+    def call(*args, **kwargs):
+        seen[f"cpu_adam {name} calls"] += 1
+        seen["cpu_adam steps"] += name == "adam_step"
+        named = tensors((f"arg{i}", t) for i, t in enumerate(args))
+        if any(not host(t) for _, t in named):
+            refuse(f"cpu_adam.{name}", ", ".join(shown(n, t) for n, t in named))
+        # (param, grad, m, v, out, ...): adam_step reads the gradient only and writes the rest
+        read = [named[1][1]] if name == "adam_step" else [t for _, t in named]
+        written = [t for n, t in named if n != "arg1"] if name == "adam_step" else []
+        streams.tensors(streams.host(), f"cpu_adam.{name}", read, written)
+        return fn(*args, **kwargs)
+    return call
+
 def checked_engine(Engine):
-    """The engine class, its forward and backward marked as the phases, its C++ AdamW (`adam`, where
-    instruments.Timeline finds it) refusing GPU tensors: it reads host pointers."""
+    """The engine class, its forward and backward marked as the phases, its C++ AdamW's entry points (`adam`, where
+    instruments.Timeline finds it) refusing GPU tensors and reading their memory as the host; the host syncs of each
+    step counted (seen["most host syncs in one step"])."""
     init = Engine.__init__
     def __init__(engine, *args, **kwargs):
         init(engine, *args, **kwargs)
         adam = getattr(engine, "adam", None)
         if hasattr(adam, "adam_step"):
             engine.adam = types.SimpleNamespace(**{k: getattr(adam, k) for k in dir(adam) if not k.startswith("__")})
-            engine.adam.adam_step = lambda *args, **kwargs: adam_step(adam, *args, **kwargs)
-    def adam_step(adam, *args, **kwargs):
-        seen["cpu_adam steps"] += 1
-        named = tensors((f"arg{i}", t) for i, t in enumerate(args))
-        if any(not host(t) for _, t in named):
-            refuse("cpu_adam.adam_step", ", ".join(shown(n, t) for n, t in named))
-        written = [t for n, t in named if n != "arg1"]  # (param, grad, m, v, out, ...): it reads the gradient only
-        streams.tensors(fake_streams.HOST, "cpu_adam.adam_step", [named[1][1]], written)
-        return adam.adam_step(*args, **kwargs)
+            for k in ("adam_step", "sum_of_squares"):
+                setattr(engine.adam, k, entry_point(k, getattr(adam, k)))
     Engine.__init__ = __init__
     Engine.forward = during("phase", "forward", Engine.forward)
     Engine.backward = during("phase", "backward", Engine.backward)
     step = Engine.step
     def leak_checked(engine, *args, **kwargs):  # device memory allocated after each step, against the step before
+        before = seen["host syncs in the rest"]
         out = step(engine, *args, **kwargs)
+        seen["most host syncs in one step"] = max(seen["most host syncs in one step"],
+                                                  seen["host syncs in the rest"] - before)
         gc.collect()  # what only the cycle collector frees (a step's temporaries in a cycle) is garbage, not a leak
         leak = fake_memory.after_step(state.device)
         if leak:
@@ -343,10 +387,51 @@ def checked_engine(Engine):
     Engine.step = leak_checked
     return Engine
 
+def start(thread):
+    """Thread.start: the thread's host stream starts after what the starting thread did so far."""
+    thread.fake_cuda_start = streams.host_event()
+    real["start"](thread)
+
 def run(thread):
-    """Thread.run under the mode, which is per thread (offload's delayed update runs in a thread of its own)."""
+    """Thread.run under the mode, which is per thread (offload's delayed update runs in a thread of its own); its
+    work spans from its start to its return, which the event thread.fake_cuda_end marks for join()."""
     with FakeCuda():
-        real["run"](thread)
+        if hasattr(thread, "fake_cuda_start"):
+            streams.host_waits_for_event(thread.fake_cuda_start)
+        try:
+            real["run"](thread)
+        finally:
+            thread.fake_cuda_end = streams.host_event()
+
+def join(thread, timeout=None):
+    """Thread.join: once the thread has ended, the joining thread is ordered after all of its work."""
+    real["join"](thread, timeout)
+    if not thread.is_alive() and hasattr(thread, "fake_cuda_end"):
+        streams.host_waits_for_event(thread.fake_cuda_end)
+
+def submit(executor, fn, /, *args, **kwargs):
+    """ThreadPoolExecutor.submit: the task starts after what the submitting thread did so far, and its work spans to
+    its return; the future's result() and exception(), once it is done, order the waiting thread after that."""
+    begun, end = streams.host_event(), {}
+    def task():
+        streams.host_waits_for_event(begun)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end["event"] = streams.host_event()
+    future = real["submit"](executor, task)
+    for name in ("result", "exception"):
+        setattr(future, name, joined(getattr(future, name), future, end))
+    return future
+
+def joined(wait, future, end):
+    def call(*args, **kwargs):
+        try:
+            return wait(*args, **kwargs)
+        finally:
+            if future.done() and "event" in end:
+                streams.host_waits_for_event(end["event"])
+    return call
 
 def index(d=None):
     """The fake GPU a torch.cuda memory call asks about: a device, an index, or None (the current one)."""
@@ -356,7 +441,10 @@ def index(d=None):
     return d.index if isinstance(d, torch.device) else int(d)
 
 def resize_(storage, nbytes):
-    """UntypedStorage.resize_ (no op the mode sees): a device or pinned block resized is counted anew."""
+    """UntypedStorage.resize_ (no op the mode sees): a device or pinned block resized is counted anew; to zero, a
+    device storage's memory is freed at once (the stream model checks who may still use it), and from zero made anew
+    on the current stream."""
+    streams.resized(storage, nbytes, current_stream().id, where())
     out = real["resize"](storage, nbytes)
     if storage in blocks:
         fake_memory.resized(blocks[storage], nbytes, where())
@@ -424,17 +512,21 @@ def install():
             get_rng_state=lambda d=None: torch.get_rng_state(), _lazy_init=none(),
             set_per_process_memory_fraction=none(), set_rng_state=none()).items():
         setattr(torch.cuda, name, value)
+    torch._C._cuda_clearCublasWorkspaces = lambda: None  # (the fake device's matmuls keep no workspace)
     torch.UntypedStorage.resize_ = resize_
     torch.Tensor.device = property(lambda t: torch.device(tag(t)) if not host(t) else real["device"](t))
     torch.Tensor.is_cuda = property(lambda t: not host(t))
     torch.Tensor.to = to
-    torch.Tensor.tolist = tolist
+    for name in ("tolist", "numpy", "data_ptr"):
+        setattr(torch.Tensor, name, read_below(name, getattr(torch.Tensor, name)))
     torch.tensor = tensor
     torch.Tensor.record_stream = record_stream
     torch.Tensor.cpu = lambda t, memory_format=torch.preserve_format: t.to("cpu", memory_format=memory_format)
     torch.Tensor.cuda = lambda t, device=None, non_blocking=False, **kwargs: t.to(
         "cuda" if device is None else device, non_blocking=non_blocking)
     dist.init_process_group, threading.Thread.run = init_process_group, run
+    threading.Thread.start, threading.Thread.join = start, join
+    concurrent.futures.ThreadPoolExecutor.submit = submit
     dist.Work.wait = during("collective", True, dist.Work.wait)  # gloo's own copies in it (NCCL makes none)
     for name in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
                  "all_gather_single", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather", "scatter",

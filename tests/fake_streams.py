@@ -6,15 +6,24 @@ has waited for: events, other streams, the host) and, per piece of memory, the l
 kernel that touches memory another stream wrote, or is still reading, with nothing ordering the two, is a data race.
 On a GPU torch feeds it from its CUDA trace; here the fake device feeds it by hand:
   - every op is a kernel on the current stream (torch.cuda.stream), its reads and writes from the op's schema
-    (the Sanitizer's ArgumentHandler); an op on pinned host memory alone is work of the host, a stream of its own;
-  - a kernel is launched after what the host did before it: its stream first takes the host's clock;
-  - Stream.wait_event/wait_stream, Event.record, Event/Stream/device synchronize() as CUDA orders them; a blocking copy
-    between device and host, or a value read from the device (.item()), makes the host wait for that stream;
+    (the Sanitizer's ArgumentHandler); an op on pinned host memory alone is work of the host;
+  - each host thread is a host stream of its own (the main thread's "the host"), its work spanning from its call to
+    its return: a C++ call in another thread counts as done only when a thread that waits for it (Future.result()
+    or .exception(), Thread.join(), an event) says so; a thread's task starts after what its submitter did before;
+  - host reads below the dispatcher (tolist, numpy, data_ptr, the C++ extension's entry points) are reads (or, for
+    the C++ AdamW, writes) of the tensor's memory on the calling thread's host stream;
+  - a kernel is launched after what its host thread did before it: its stream first takes that thread's clock;
+  - Stream.wait_event/wait_stream, Event.record, Event/Stream/device synchronize() as CUDA orders them (a
+    synchronize makes only the calling thread wait); a blocking copy between device and host, or a value read from
+    the device (.item()), makes the calling thread wait for that stream;
   - a collective runs on the "nccl" stream, after the stream it was issued on; its work.wait() (or a blocking
-    collective's return) makes the current stream wait for it; its tensors' memory is held for that stream, as c10d
-    holds it;
-  - memory freed while a stream other than the one it was made on may still use it (no wait since, no record_stream
-    for that stream) would be handed out again on its own stream under that use: refused where it is freed.
+    collective's return) makes the current stream wait for it; its tensors' storages are held until then, as c10d
+    holds them (a reference: their death cannot come sooner);
+  - memory freed while a stream other than the one it was made on may still use it (no wait since, on that stream or
+    on the freeing thread, no record_stream for that stream) would be handed out again on its own stream under that
+    use: refused where it is freed. A storage resized to zero (untyped_storage().resize_(0), ZeRO-3's free) is a free
+    at once, whatever references it, so c10d's reference does not cover it: a collective not yet waited for that may
+    still use it is refused, naming both lines; resized up again it is new memory, made on the current stream.
 Memory is the storage's bytes: each access covers the byte range its tensor spans, so two slices of one buffer used by
 two streams are apart; the ranges are the Sanitizer's "data pointers" (a storage's number and a byte offset, pieces
 split where an access begins or ends).
@@ -24,7 +33,7 @@ import bisect, itertools, threading, weakref
 import torch.cuda._sanitizer as csan
 from torch.utils import _pytree as pytree
 
-HOST = -1  # the host's work on pinned memory, as a stream of the Sanitizer's
+HOST = -1  # the main thread's host work on pinned memory, as a stream of the Sanitizer's (other threads: their own)
 NCCL = -2  # NCCL's stream
 names = {csan.DEFAULT_STREAM_ID: "the compute stream", HOST: "the host", NCCL: "the nccl stream"}
 
@@ -38,15 +47,33 @@ class Model:
         self.handler.syncs.create_stream(HOST)
         self.handler.syncs.create_stream(NCCL)
         self.lock = threading.RLock()  # the delayed update's thread launches host work too
+        self.local = threading.local()  # this thread's host stream
+        self.hosts = {HOST}  # every thread's host stream
         self.ids = itertools.count(1)
         self.serial = weakref.WeakKeyDictionary()  # storage -> its number
         self.made_on = {}  # storage number -> the stream it was made on (a device storage)
         self.recorded = {}  # storage number -> the streams record_stream named
+        self.held = {}  # storage number -> the streams whose collectives c10d holds it for (not for a resize_(0))
         self.starts = {}  # storage number -> the sorted byte offsets where its pieces start
         self.freed = []  # (storage number, where) freed since the model last ran: checked at its next call
 
     def new_id(self):
         return next(self.ids)
+
+    def host(self):
+        """The calling thread's host stream: the main thread's HOST, another thread's a stream of its own, made at its
+        first work and named after the thread."""
+        stream = getattr(self.local, "stream", None)
+        if stream is None:
+            thread = threading.current_thread()
+            stream = HOST if thread is threading.main_thread() else self.new_id()
+            self.local.stream = stream
+            with self.lock:
+                if stream not in self.hosts:
+                    self.hosts.add(stream)
+                    self.handler.syncs.create_stream(stream)
+                    names[stream] = f"the host thread {thread.name}"
+        return stream
 
     # ---- memory: a storage's number and the byte ranges its tensors span
     def allocated(self, storage, stream, device):
@@ -59,7 +86,7 @@ class Model:
                 weakref.finalize(storage, self._freed, n)
 
     def _freed(self, n):  # (a finalizer: it may run in the middle of the model's own work, so it only notes the free)
-        self.freed.append((n, self.where()))
+        self.freed.append((n, self.where(), self.host()))
 
     def keys(self, t):
         """The Sanitizer's data pointers for the bytes t spans: storage number << 40 | piece start."""
@@ -105,8 +132,8 @@ class Model:
                 return
             syncs = self.handler.syncs
             syncs._ensure_stream_exists(stream)
-            if stream != HOST:  # launched by the host after everything it did so far
-                syncs._state_wait_for_other(syncs.current_sync_states[stream], syncs.current_sync_states[HOST])
+            if stream not in self.hosts:  # launched by this host thread after everything it did so far
+                syncs._state_wait_for_other(syncs.current_sync_states[stream], syncs.current_sync_states[self.host()])
             aliases = {k: [] for k in read | written}
             for error in self.handler._handle_kernel_launch(stream, read, written, set(), op, aliases):
                 previous = error.previous_access
@@ -130,23 +157,57 @@ class Model:
             self.handler._handle_event_wait(event, stream)
 
     def host_waits_for_event(self, event):
+        """Event.synchronize(), a thread's end waited for: the calling thread alone waits (its later launches too)."""
         with self.lock:
-            self.handler._handle_event_synchronization(event)
+            self.handler.syncs.stream_wait_for_event(self.host(), event)
 
     def host_waits_for_stream(self, stream):
         with self.lock:
             syncs = self.handler.syncs
-            syncs._state_wait_for_other(syncs.current_sync_states[HOST], syncs.current_sync_states[stream])
+            syncs._state_wait_for_other(syncs.current_sync_states[self.host()], syncs.current_sync_states[stream])
 
     def device_synchronize(self):
+        """torch.cuda.synchronize(): the calling thread waits for every device stream, not for the other threads."""
         with self.lock:
-            self.handler._handle_device_synchronization()
+            for stream in [s for s in self.handler.syncs.current_sync_states if s not in self.hosts]:
+                self.host_waits_for_stream(stream)
+
+    def host_event(self):
+        """An event recorded on the calling thread's host stream now (a thread's task starts after it; its end)."""
+        with self.lock:
+            event = self.new_id()
+            self.handler._handle_event_record(event, self.host())
+            return event
 
     def record_stream(self, t, stream):
         with self.lock:
             n = self.serial.get(t.untyped_storage())
             if n is not None:
                 self.recorded.setdefault(n, set()).add(stream)
+
+    def hold(self, t, stream):
+        """c10d's reference to a collective's tensor until it is waited for: its storage cannot die before, but a
+        resize_(0) frees its memory all the same."""
+        with self.lock:
+            n = self.serial.get(t.untyped_storage())
+            if n is not None:
+                self.held.setdefault(n, set()).add(stream)
+
+    def resized(self, storage, nbytes, stream, at):
+        """untyped_storage().resize_(nbytes) of a device storage: to zero, a free checked now (c10d's hold does not
+        cover it); from zero, new memory made on `stream`."""
+        with self.lock:
+            n = self.serial.get(storage)
+            if n is None or n not in self.made_on:
+                return
+            self._check_frees()
+            if nbytes == 0:
+                self._check_free(n, at, covered=self.recorded.get(n, set()), how="freed by resize_(0)")
+                self.recorded.pop(n, None)
+                self.held.pop(n, None)
+                self.starts[n] = [0]
+            else:
+                self.made_on[n] = stream
 
     def check_frees(self):
         """Each storage freed since: its stream must have waited for every other stream's use of it, or
@@ -156,21 +217,32 @@ class Model:
 
     def _check_frees(self):
         while self.freed:
-            n, at = self.freed.pop(0)  # (at: where it was freed)
-            own = self.made_on.pop(n)
-            syncs = self.handler.syncs
-            accesses = self.handler.tensors_accessed.accesses
-            for x in self.starts.pop(n):
-                info = accesses.pop(n << 40 | x, None)
-                for access in ([info.write] + info.reads) if info else []:
-                    if access is None or access.stream in (own, *self.recorded.get(n, ())):
-                        continue
-                    if not syncs.is_ordered_after(own, access.seq_num, access.stream):
-                        self.refuse("stream order: memory freed", f"{name(access.stream)} may still use it "
-                                    f"({access.operator} at {line(access.stack_trace, self.where)}): no wait for it "
-                                    f"on {name(own)}, where it was made, and no record_stream", at)
-                        break
+            n, at, host = self.freed.pop(0)  # (at: where it was freed; host: the thread's host stream that freed it)
+            self._check_free(n, at, self.recorded.get(n, set()) | self.held.get(n, set()), "freed", host)
+            self.made_on.pop(n)
+            self.starts.pop(n)
             self.recorded.pop(n, None)
+            self.held.pop(n, None)
+
+    def _check_free(self, n, at, covered, how, host=None):
+        """Storage n's memory freed at `at`: every other stream's use of it must be ordered before its own stream
+        (where the allocator hands it out again) or the freeing thread (which launches what uses it next), unless
+        record_stream (or c10d's hold, for a storage's death) named that stream. Its accesses are forgotten."""
+        own = self.made_on[n]
+        host = self.host() if host is None else host
+        syncs = self.handler.syncs
+        accesses = self.handler.tensors_accessed.accesses
+        refused = False
+        for x in self.starts[n]:
+            info = accesses.pop(n << 40 | x, None)
+            for access in ([info.write] + info.reads) if info else []:
+                if refused or access is None or access.stream in (own, *covered):
+                    continue
+                if not any(syncs.is_ordered_after(s, access.seq_num, access.stream) for s in (own, host)):
+                    self.refuse(f"stream order: memory {how}", f"{name(access.stream)} may still use it "
+                                f"({access.operator} at {line(access.stack_trace, self.where)}): no wait for it "
+                                f"on {name(own)}, where it was made, and no record_stream", at)
+                    refused = True
 
 
 class Arguments(csan.ArgumentHandler):
@@ -229,15 +301,18 @@ class Work:
 
 
 class Sequence:
-    """Every rank issues the same collectives, in the same order, of the same sizes: each rank publishes each one
-    (op, tensors, call site) to the process group's store before issuing it and compares the other ranks', waiting
-    at most `timeout` seconds for theirs. A mismatch would hang NCCL, or mix unrelated buffers: a message instead."""
+    """Every rank issues the same collectives, in the same order: each rank publishes each one (op, ReduceOp, root,
+    each tensor's dtype, size and buffer: where its storage was made, and its offset there; the call site) to the
+    process group's store before issuing it and compares the other ranks', waiting at most `timeout` seconds for
+    theirs. A mismatch would hang NCCL, or mix unrelated buffers (equal-size units gathered in another order on each
+    rank): a message instead."""
     def __init__(self, timeout):
         self.timeout = timeout
         self.count = 0  # the collectives issued so far
 
-    def mismatch(self, dist, name, named, at):
-        """None if every rank's collective number k is this one; else what differs, in one line."""
+    def mismatch(self, dist, name, named, options, at):
+        """None if every rank's collective number k is this one; else what differs, in one line. named: (argument
+        name, tensor, which buffer it is) triples; options: the other arguments compared (op, src, ...)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         import datetime
@@ -245,7 +320,9 @@ class Sequence:
         rank = dist.get_rank()
         k = self.count
         self.count += 1
-        mine = f"{name}(" + ", ".join(f"{n} {str(t.dtype).removeprefix('torch.')}[{t.numel()}]" for n, t in named) + ")"
+        mine = f"{name}(" + ", ".join([f"{n} {str(t.dtype).removeprefix('torch.')}[{t.numel()}] {buffer}"
+                                       for n, t, buffer in named] + [f"{k}={v}" for k, v in options.items()]) + ")"
+        at = at.replace(" at ", " ")  # (the call site follows the last " at ")
         store.set(f"fake_cuda/collective/{k}/{rank}", f"{mine} at {at}")
         for r in range(dist.get_world_size()):
             key = f"fake_cuda/collective/{k}/{r}"
@@ -254,6 +331,6 @@ class Sequence:
             except RuntimeError:  # (a timeout, or the store gone with a rank that stopped)
                 return f"collective #{k} {mine}: rank {r} issued none within {self.timeout} s"
             theirs = store.get(key).decode()
-            if theirs.split(" at ")[0] != mine:
+            if theirs.rsplit(" at ", 1)[0] != mine:
                 return f"collective #{k} differs across ranks: rank {rank} {mine}, rank {r} {theirs}"
         return None

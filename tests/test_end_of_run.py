@@ -1,8 +1,9 @@
 """The end of a run and the host's part in every step. The end: gathering the fp32 master on rank 0 for the sample
 (or --save_master) costs the host little beside the run itself (pickled views of each rank's shard would multiply
-it: each view pickles its whole storage). Every step: stages 0-3 wait for the GPU once a step (the decision
-to skip fp16's overflowed step), and read the loss and the gradient norm for the log only at the steps that log
-(counted on the fake CUDA device, tests/fake_cuda.py). No assertion depends on the CPU's speed or math library."""
+it: each view pickles its whole storage). Every step: stages 0-3 wait for the GPU once a step (the decision to skip
+fp16's overflowed step), offload twice (the gradient shard on the host, the global norm), and read the loss and the
+gradient norm for the log only at the steps that log (counted on the fake CUDA device, tests/fake_cuda.py). No
+assertion depends on the CPU's speed or math library."""
 import os
 import subprocess
 import sys
@@ -58,18 +59,21 @@ def test_the_sample_at_the_end_costs_little_host_memory(tmp_path, script, nproc)
                               f"{a / 2**20:.0f} MiB without: the end of the run multiplies the host's memory")
 
 
-@pytest.mark.parametrize("script", ["stage1.py", "stage3.py"])
-@pytest.mark.parametrize("steps", [20])
-def test_one_host_sync_per_step(tmp_path, script, steps):
+@pytest.mark.parametrize("script, most, steps", [("stage1.py", 1, 20), ("stage3.py", 1, 20), ("offload.py", 2, 6)])
+def test_one_host_sync_per_step(tmp_path, script, most, steps):
     """On the fake CUDA device (N = 2, fp32), the host synchronisations outside forward, backward and the batches:
-    one a step (clip_coef's: skip the step or not), two at each step that logs (every steps // 10th: the losses and
-    the norms since the last, read at once), and a few more at the run's start, its evaluation, its measured step
-    (PeakMemory's synchronize) and its end; never the loss's and the norm's at every step."""
+    inside each optimizer step at most one for stages 0-3 (clip_coef's: skip the step or not) and two for offload
+    (its wait for the gradient shard on the host, and its one read of the global norm); two more at each step that
+    logs (every steps // 10th: the losses and the norms since the last, read at once), and a few more at the run's
+    start, its evaluation, its measured step and its end; never the loss's and the norm's at every step. (Offload
+    runs 6 steps: the count inside each step needs no more.)"""
     from test_fake_cuda import audit
     job, reports = audit(tmp_path, ROOT / script, "--steps", str(steps), "--eval_every", "1000")
     assert job.returncode == 0 and all(reports), "\n".join(last_lines(job.stdout + job.stderr, 30))
-    logged = 10  # the steps that log: every max(1, steps // 10)th; the last is one of them
+    logged = steps // max(1, steps // 10)  # the steps that log: every max(1, steps // 10)th; the last is one of them
     for r in reports:
+        in_step = r["seen"].get("most host syncs in one step", 0)
+        assert in_step <= most, f"{script}, rank {r['rank']}: {in_step} host syncs in one optimizer step, not {most}"
         syncs = r["seen"].get("host syncs in the rest", 0)
-        assert syncs <= steps + 2 * logged + 20, (f"{script}, rank {r['rank']}: {syncs} host syncs in {steps} steps "
-                                                  f"({logged} of them logged): more than one a step")
+        assert syncs <= most * steps + 2 * logged + 20, (f"{script}, rank {r['rank']}: {syncs} host syncs in {steps} "
+                                                         f"steps ({logged} of them logged): more than {most} a step")

@@ -1,7 +1,7 @@
 """The decisions the CUDA path takes, checked on a CPU by giving them a GPU's answers: the dtype --dtype auto picks
 (bf16 where the GPU computes it, else fp16 with loss scaling), the C++ AdamW's threads beside a delayed update, what
-bench/largest.py refuses to run on a GPU, and what bench/compare.py counts as "other" memory when the peak is the
-device's alone. (Where tensors live on a GPU is
+bench/largest.py refuses to run on a GPU, what bench/compare.py counts as "other" memory when the peak is the
+device's alone, and the measured peak without cuBLAS's workspaces. (Where tensors live on a GPU is
 tests/test_fake_cuda.py's part; what a real GPU does, tests/test_gpu.py's.)"""
 import sys
 
@@ -87,3 +87,50 @@ def test_compare_other_subtracts_only_what_the_peak_counts():
     assert compare.other_bytes(summary("stage3", "cuda", 900)) == 100
     with pytest.raises(ValueError, match="below the model states"):
         compare.other_bytes(summary("stage3", "cuda", 150))
+
+
+def test_peak_names_cublas_workspaces_apart(monkeypatch):
+    """On a GPU the allocator's peak holds cuBLAS's workspaces (32 MiB per handle and stream on Hopper, more than the
+    tiny presets' model states): the meter frees them after the measured step, counts what that frees as
+    `workspace`, and reports the peak without it. Given a GPU's answers: 100 MiB allocated of which 64 MiB are
+    workspaces, a peak of 200 MiB: 136 MiB states + activations, 64 MiB workspace. It never synchronizes."""
+    from instruments import PeakMemory
+    MiB = 2**20
+    held = {"allocated": 100 * MiB}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 200 * MiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held["allocated"])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("the meter synchronized"))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: held.update(allocated=36 * MiB),
+                        raising=False)
+    with PeakMemory(torch.device("cuda", 0)) as meter:
+        pass
+    assert (meter.peak, meter.workspace) == (136 * MiB, 64 * MiB)
+
+
+def test_norm_is_a_few_launches_per_bucket_on_cuda(monkeypatch):
+    """train_gpt.sum_of_squares, the global norm's part per bucket: on the CPU, squares summed per block of 1M elements
+    (about 4 ops a block, accurate where one fp32 sum of 124M elements is not); on CUDA, whose reductions are trees,
+    one norm kernel over the whole bucket, a handful of ops in all. A tensor is made to say it is on CUDA; the ops
+    dispatched are counted. (That kernel's accuracy is CUDA's tree reduction's, which no CPU shows: here the CPU's
+    norm kernel runs it, 1.3e-4 off at 3M elements, so only the formula is checked, to 1e-3.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from train_gpt import sum_of_squares
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    t = torch.randn(3 << 20, generator=torch.Generator().manual_seed(0))
+    exact = t.double().square().sum().item()
+    with Count():
+        on_cpu = sum_of_squares(t)
+    cpu_ops, Count.ops = Count.ops, 0
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with Count():
+        on_cuda = sum_of_squares(t)
+    assert Count.ops <= 5 and cpu_ops >= 12, (Count.ops, cpu_ops)
+    assert abs(on_cpu.item() - exact) <= 1e-6 * exact and abs(on_cuda.item() - exact) <= 1e-3 * exact
