@@ -75,6 +75,13 @@ SLIPS = {
         "eps=self.optimizer.eps, weight_decay=0.0, grad_scale=coef)",
         ["tests/test_fp16.py::test_fp16_parity_and_ledgers[offload]"],
         "offload's C++ AdamW called without its weight decay (fp16: the tolerance's margin)"),
+    "other_meter_zero": (
+        "instruments.py", "other=live_tensor_bytes(device) - storage_bytes(on_device),", "other=0,",
+        ["tests/test_stages.py::test_freed_what_the_stage_promises[stage0_ddp-2]"],
+        "the meter of tensors beyond model states forced to zero"),
+    "peak_meter_net_change": (
+        "instruments.py", "        self.peak = self.base + highest\n", "        self.peak = self.base + running\n",
+        ["tests/test_shared.py"], "the peak meter reports the net change over the window, not its high-water mark"),
     "formula_master_bytes": (
         "train_gpt.py", '"master": 4, "adam_m": 4', '"master": 6, "adam_m": 4',
         ["tests/test_estimate.py::test_estimate_equals_model_state_theory"],

@@ -138,12 +138,18 @@ def test_every_collective_goes_through_the_ledger(runner, stage_file, nproc):
 SCALARS = 4096
 
 
-def other_allowed(s):
-    """The bytes of tensors beyond model states a run of summary s may hold right after backward, by the formula."""
+def micro_batch_tokens(s):
+    """The bytes of the last micro-batch's x and y (int64), alive in train_step when the meter reads the rank."""
     n = s["world_size"]
     args = s["args"]
     micro_batch = args["batch_size"] // (n * args["grad_accum"])
-    tokens = 2 * micro_batch * s["config"]["block_size"] * 8
+    return 2 * micro_batch * s["config"]["block_size"] * 8
+
+
+def other_allowed(s):
+    """The bytes of tensors beyond model states a run of summary s may hold right after backward, by the formula."""
+    n = s["world_size"]
+    tokens = micro_batch_tokens(s)
     element = {"fp32": 4, "bf16": 2, "fp16": 2}[s["dtype"]]
     shard = s["padded_numel"] // n * element
     kept = {"stage1": shard, "offload": shard}.get(s["stage"], 0)
@@ -151,7 +157,11 @@ def other_allowed(s):
 
 
 def check_other(s):
-    """None if s's other_tensor_bytes is within other_allowed(s), else the failure's message."""
+    """None if s's other_tensor_bytes is within other_allowed(s), and counts at least the micro-batch's tokens (which
+    any stage holds then: a meter that misses them sees nothing), else the failure's message."""
+    if s["other_tensor_bytes"] < micro_batch_tokens(s):
+        return (f"{s['stage']} at N={s['world_size']}: {s['other_tensor_bytes']:,} bytes of tensors beyond model "
+                f"states, fewer than the micro-batch's tokens alone ({micro_batch_tokens(s):,}): the meter misses them")
     allowed = other_allowed(s)
     if s["other_tensor_bytes"] <= allowed:
         return None
