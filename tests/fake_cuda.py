@@ -16,10 +16,12 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
     .item()/float() of a GPU tensor, nonzero(), synchronize(), a copy between device and host unless non_blocking with
     its host end pinned (torch waits for a blocking one; to pageable memory it returns only when done).
   - stream order (tests/fake_streams.py: torch's CUDA Sanitizer, fed by the stubs below): a kernel, copy or
-    collective touching memory another stream (or the host, for pinned memory) wrote or reads with no wait in
-    between; device memory freed while another stream may still use it, without record_stream;
-  - collectives that differ across ranks (op, sizes, dtypes: each rank checks the others' through the store, waiting
-    FAKE_CUDA_COLLECTIVE_TIMEOUT seconds at most): the rank stops at once, naming both call sites.
+    collective touching memory another stream (or a host thread, for pinned memory) wrote or reads with no wait in
+    between; device memory freed (a storage's death, or its resize_(0)) while another stream may still use it;
+    host reads below the dispatcher (tolist, numpy, data_ptr, the C++ extension's entry points) under a copy;
+  - collectives that differ across ranks (op, ReduceOp, root, sizes, dtypes, buffers: each rank checks the others'
+    through the store, waiting FAKE_CUDA_COLLECTIVE_TIMEOUT seconds at most): the rank stops at once, naming both
+    call stacks.
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
 stream in forward; collectives issued on another stream. Not modelled: speed. Memory (tests/fake_memory.py): device
 memory allocated, reserved and peak, pinned host memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an
