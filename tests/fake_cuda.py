@@ -16,10 +16,12 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
     .item()/float() of a GPU tensor, nonzero(), synchronize(), a copy between device and host unless non_blocking with
     its host end pinned (torch waits for a blocking one; to pageable memory it returns only when done).
   - stream order (tests/fake_streams.py: torch's CUDA Sanitizer, fed by the stubs below): a kernel, copy or
-    collective touching memory another stream (or the host, for pinned memory) wrote or reads with no wait in
-    between; device memory freed while another stream may still use it, without record_stream;
-  - collectives that differ across ranks (op, sizes, dtypes: each rank checks the others' through the store, waiting
-    FAKE_CUDA_COLLECTIVE_TIMEOUT seconds at most): the rank stops at once, naming both call sites.
+    collective touching memory another stream (or a host thread, for pinned memory) wrote or reads with no wait in
+    between; device memory freed (a storage's death, or its resize_(0)) while another stream may still use it;
+    host reads below the dispatcher (tolist, numpy, data_ptr, the C++ extension's entry points) under a copy;
+  - collectives that differ across ranks (op, ReduceOp, root, sizes, dtypes, buffers: each rank checks the others'
+    through the store, waiting FAKE_CUDA_COLLECTIVE_TIMEOUT seconds at most): the rank stops at once, naming both
+    call stacks.
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
 stream in forward; collectives issued on another stream. Not modelled: speed. Memory (tests/fake_memory.py): device
 memory allocated, reserved and peak, pinned host memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an
@@ -28,7 +30,7 @@ that made what is held. A device the project names (device="cpu", .cpu(), .to("c
 whatever its inputs' device.
 """
 import collections, concurrent.futures, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback
-import types, weakref
+import itertools, types, weakref
 
 import torch
 import torch.distributed as dist
@@ -41,14 +43,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 aten = torch.ops.aten
 INDEXING = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)  # (host indices are moved over)
 tags = weakref.WeakKeyDictionary()  # storage -> (device: "cuda:i", "cpu" or "pinned" (a pinned host buffer), made at)
-origins = weakref.WeakKeyDictionary()  # storage -> "file:line #k": its allocation site, the k-th storage made there
-made_at = collections.Counter()  # allocation site -> storages made there so far
+origins = weakref.WeakKeyDictionary()  # storage -> (its allocation site, its number: None if made outside an engine's
+made_at = collections.defaultdict(list)  # __init__); allocation site -> [(number, weakref)] of the engines' storages
+storages_made = itertools.count()  # each storage's number, in the order they are made
 blocks = weakref.WeakKeyDictionary()  # storage -> its fake_memory.Block (device and pinned storages)
 findings, seen = collections.Counter(), collections.Counter()  # refusals; what was checked (the tests: not nothing)
 state = types.SimpleNamespace(device=int(os.environ.get("LOCAL_RANK", 0)), nccl=False, dirs=[ROOT], compute=None)
 
 class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"; in a collective; in Tensor.to; the
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
+    building = False  # in an engine's __init__
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
             exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
@@ -102,9 +106,18 @@ def call_stack(depth=3):
     return " < ".join(frames[:depth]) or "?"
 
 def identity(t):
-    """Which buffer t is, alike on every rank that makes the same buffers in the same order: the site that made its
-    storage, the how-manieth storage made there, and the byte offset of t in it."""
-    return f"made at {origins.get(t.untyped_storage(), '?')} +{t.storage_offset() * t.element_size()}"
+    """Which buffer t is, alike on every rank that holds the same buffers: the site that made its storage, the byte
+    offset of t in it, and for the buffers an engine makes in its __init__ (its units' buckets: made in one loop, at
+    one line), the how-manieth of that site's live ones it is. (Not for a step's temporaries: when one dies depends
+    on when a collective's work lets it go, which differs by rank; not counted among dead ones either: a probe that
+    ran out of memory on one rank made more there.)"""
+    site, number = origins.get(t.untyped_storage(), ("?", None))
+    if number is None:
+        return f"made at {site} +{t.storage_offset() * t.element_size()}"
+    live = [(n, ref) for n, ref in made_at[site] if ref() is not None]
+    made_at[site] = live
+    k = 1 + sum(n < number for n, _ in live)
+    return f"made at {site} #{k} +{t.storage_offset() * t.element_size()}"
 
 def this_stack(f):
     while f is not None:
@@ -164,8 +177,10 @@ class FakeCuda(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and real["device"](t).type == "cpu" and t.untyped_storage() not in tags:
                 site = where()
                 tags[t.untyped_storage()] = (new, site)
-                made_at[site] += 1
-                origins[t.untyped_storage()] = f"{site} #{made_at[site]}"
+                number = next(storages_made) if flags.building else None
+                if number is not None:
+                    made_at[site].append((number, weakref.ref(t.untyped_storage())))
+                origins[t.untyped_storage()] = (site, number)
                 if new != "cpu":  # device or pinned memory, counted while the storage lives (OutOfMemoryError)
                     blocks[t.untyped_storage()] = fake_memory.allocated(t.untyped_storage(), new, site)
                 if new != "cpu":  # device memory, or pinned host memory: the stream model follows it
@@ -362,7 +377,7 @@ def checked_engine(Engine):
     """The engine class, its forward and backward marked as the phases, its C++ AdamW's entry points (`adam`, where
     instruments.Timeline finds it) refusing GPU tensors and reading their memory as the host; the host syncs of each
     step counted (seen["most host syncs in one step"])."""
-    init = Engine.__init__
+    init = during("building", True, Engine.__init__)
     def __init__(engine, *args, **kwargs):
         init(engine, *args, **kwargs)
         adam = getattr(engine, "adam", None)
