@@ -24,9 +24,9 @@ back (resume).
 - `--resume DIR` continues from the newest complete checkpoint in DIR (or from a step_* directory named directly)
   and saves on into DIR unless --ckpt_dir says otherwise. The data position is the step: the batch of step s is a
   function of (seed, s) alone, so a stage that stops and resumes on the same N gives the uninterrupted run bit for bit
-  on the CPU. On a GPU only with deterministic algorithms forced (torch.use_deterministic_algorithms(True), and
-  CUBLAS_WORKSPACE_CONFIG=:4096:8): by default SDPA's backward (flash and memory-efficient kernels, in bf16 and fp16
-  above all) sums with atomics, so the last bits differ from run to run, resumed or not.
+  on the CPU. On a GPU it is as deterministic as the kernels: CUDA promises the same bits only under
+  torch.use_deterministic_algorithms(True) (with CUBLAS_WORKSPACE_CONFIG=:4096:8), since some kernels sum with atomics;
+  on one H100 stage 3 was bit for bit in fp32 and bf16 without it (tests/gpu_check.sh's repeat step).
 - Refused before anything is written, each with one line that says what is wrong and what to do: a directory with no
   complete checkpoint, a manifest that is not one, a shard missing, truncated or corrupt (size and sha256 against
   the manifest; each rank checks its share), shards that hold less than the manifest promises, a checkpoint of

@@ -315,8 +315,7 @@ class OffloadEngine:
         # [Copy stream] the gradient shard has landed in CPU memory
         self.copies.host_waits(self.grads_on_host)
         # [/Copy stream]
-        # this shard's squares, summed on the host, made a device tensor by a fill (a copy up from pageable memory
-        # would block the host until done)
+        # this shard's squares, summed on the host, filled into a device scalar (a copy up would block the host)
         norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64, device=self.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()

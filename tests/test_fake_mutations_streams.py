@@ -137,8 +137,8 @@ BATTERY = {
              rf"aten\.copy_ {COPY}"),
     # each collective compared across ranks by its buffers, ReduceOp and root too
     "units_gathered_in_another_order": dict(  # (forward's order: the root, then the blocks, equal in size)
-        file="stage3.py", line=r"self\._gather\(order\[order\.index\(b\) \+ 1\]\)",
-        new=["self._gather(order[min(order.index(b) + 1 + self.rank, len(order) - 1)])  # (planted)"], flags=[],
+        file="stage3.py", line=r"self\._gather\(after\[0\]\)",
+        new=["self._gather(after[min(self.rank, len(after) - 1)])  # (planted)"], flags=[],
         nproc=2,
         at=r"b\.gather = comm\.all_gather\(",
         says=r"c10d all_gather\w*: collective #\d+ differs across ranks: rank \d all_gather\w*\(output_tensor "

@@ -15,8 +15,8 @@ LESSON_LIMITS = {"1_zero1": (55, 60), "2_zero2": (45, 40), "3_zero3": (80, 60), 
                  "5_offload": (60, 70), "6_grad_acc": (10, 10), "7_copy_stream": (30, 25), "8_offload_params": (25, 20),
                  "9_delayed_update": (30, 25)}  # offload's ideas: at most 60 code lines each
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
-MOST_LINES = {"train_gpt.py": 520, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 300,
-              "offload.py": 420}
+MOST_LINES = {"train_gpt.py": 530, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 300,
+              "offload.py": 425}
 WIDTH = 120
 
 
