@@ -96,8 +96,8 @@ if [ $gpu -eq 1 ]; then
   step timeline_offload 240 "$py" bench/timeline.py offload.py --nproc 1 --preset small --out "$out/timeline_offload"
 else
   skip first "no CUDA GPU: README's first command runs on the CPU in tests/test_commands.py"
-  step suite 600 "$py" -m pytest tests/test_gpu.py -q -k "parity and stage3" -p no:cacheprovider
   skip repeat "no CUDA GPU: resume on the CPU is tests/test_checkpoint.py's, bit for bit"
+  step suite 600 "$py" -m pytest tests/test_gpu.py -q -k "parity and stage3" -p no:cacheprovider
   skip overlap "no CUDA GPU: overlap is read from a real GPU's profiler trace"
   # bench/timeline.py on the fake CUDA device in every process it starts (2 fake GPUs), at its smallest size.
   fake=(env PYTHONPATH="$PWD/tests/fake_cuda_site" FAKE_CUDA=2 FAKE_CUDA_FINDINGS="$out/fake_findings")

@@ -168,7 +168,8 @@ def check_other(s):
     full_gradient = s["n_params"] * 4
     return (f"{s['stage']} at N={s['world_size']}: {s['other_tensor_bytes']:,} bytes of tensors beyond model states "
             f"after backward, the formula allows {allowed:,} (a full fp32 gradient or copy of the parameters is "
-            f"{full_gradient:,}): memory held outside model_states(), a full gradient or gathered parameters not freed")
+            f"{full_gradient:,}): memory of the full gradient, or gathered parameters, still held, or a copy outside "
+            f"model_states()")
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
