@@ -97,7 +97,8 @@ if [ $gpu -eq 1 ]; then
 else
   skip first "no CUDA GPU: README's first command runs on the CPU in tests/test_commands.py"
   skip repeat "no CUDA GPU: resume on the CPU is tests/test_checkpoint.py's, bit for bit"
-  step suite 600 "$py" -m pytest tests/test_gpu.py -q -k "parity and stage3" -p no:cacheprovider
+  # (test_gpu.py's runs on the fake device are the CPU suite's own: here only its trace reader, to show the step runs)
+  step suite 300 "$py" -m pytest tests/test_gpu.py -q -k timeline_reader -p no:cacheprovider
   skip overlap "no CUDA GPU: overlap is read from a real GPU's profiler trace"
   # bench/timeline.py on the fake CUDA device in every process it starts (2 fake GPUs), at its smallest size.
   fake=(env PYTHONPATH="$PWD/tests/fake_cuda_site" FAKE_CUDA=2 FAKE_CUDA_FINDINGS="$out/fake_findings")

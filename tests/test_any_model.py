@@ -40,7 +40,8 @@ def test_the_example_checks_to_the_gpt_tests_tolerances():
     assert [getattr(any_model, n) for n in names] == [getattr(test_stages, n) for n in names]
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 4])
+# At N = 2, README's command: every engine at N = 1, 2 and 4 on many models is test_any_model_random.py's.
+@pytest.mark.parametrize("nproc", [2])
 def test_any_model_matches_the_reference(runner, stage_file, nproc):
     p = run_example(runner, stage_file, nproc)
     assert p.returncode == 0 and "the same as the single-process reference" in p.stdout, (
