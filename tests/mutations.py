@@ -44,10 +44,10 @@ SLIPS = {
         ["tests/test_stages.py::test_freed_what_the_stage_promises[stage1-2]"],
         "stage 1 keeps a whole fp32 copy of the parameters outside model_states() (4Ψ per rank)"),
     "readme_stage0_number": (
-        "README.md", "model states read 1.67 MiB per rank", "model states read 0.67 MiB per rank",
+        "README.md", "model states read 2.08 MiB per rank", "model states read 1.08 MiB per rank",
         ["tests/test_readme.py::test_stage0_model_states_of_the_first_command"], "README's stage-0 number changed"),
     "readme_stage3_table": (
-        "README.md", "|     0.21 |     0.83 |     4.12", "|     0.21 |     0.93 |     4.12",
+        "README.md", "|     0.21 |     1.04 |     6.98", "|     0.21 |     1.14 |     6.98",
         ["tests/test_commands.py::test_first_command"], "README's sample table's stage-3 states changed"),
     "compare_k_of_n_always_n": (
         "bench/compare.py", '    exact = sum(r["states_measured"] == r["states_theory"] for r in rows)\n',

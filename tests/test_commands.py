@@ -152,8 +152,8 @@ def memory_table(text):
 
 def test_first_command():
     """README.md's first command, 3 steps instead of 300: the table it ends with is README's sample (the peak, which
-    moves from run to run, within 10%). README's sample is bf16, as --dtype auto chose where it was measured: the run
-    asks for bf16 itself, so the comparison runs on every CPU (one without native bf16 runs it slowly)."""
+    moves from run to run, within 10%). README's sample names its dtype (as --dtype auto chose where it was measured):
+    the run asks for that dtype itself, so the comparison runs on every CPU."""
     said = re.search(r"memory per rank, MiB \(stage3, (\w+),", (ROOT / "README.md").read_text()).group(1)
     out = run(FIRST.split(" && ")[1], "--steps", "3", "--dtype", said, *QUIET)
     got = memory_table(out)

@@ -67,15 +67,17 @@ def first_command_model():
 
 
 def test_stage0_model_states_of_the_first_command():
-    """"Run stage0_ddp.py the same way and the model states read X MiB per rank (16Ψ)": the formula's total for the
-    first command's GPT at N = 2 in bf16 (stage 0 pads nothing)."""
+    """"Run stage0_ddp.py the same way and the model states read X MiB per rank (20Ψ)": the formula's total for the
+    first command's GPT at N = 2 in the dtype of README's sample table (stage 0 pads nothing)."""
     from train_gpt import formula_text, model_state_theory
     n, _ = first_command_model()
+    dtype = re.search(r"memory per rank, MiB \(stage3, (\w+),", readme()).group(1)
+    param_bytes = 4 if dtype == "fp32" else 2
     said = re.search(r"model states read ([\d.]+) MiB per rank \((\S+)\)", readme())
     assert said, "README no longer says what stage 0's model states read"
-    mib = sum(model_state_theory("stage0", n, 2, param_bytes=2).values()) / 2**20
+    mib = sum(model_state_theory("stage0", n, 2, param_bytes=param_bytes).values()) / 2**20
     assert said.group(1) == f"{mib:.2f}", f"README: stage 0 holds {said.group(1)} MiB per rank; the formula, {mib:.2f}"
-    assert said.group(2) == formula_text("stage0", param_bytes=2), f"README says {said.group(2)}"
+    assert said.group(2) == formula_text("stage0", param_bytes=param_bytes), f"README says {said.group(2)}"
 
 
 def test_unigram_loss_of_the_first_command():
