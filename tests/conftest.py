@@ -1,12 +1,16 @@
 """Shared machinery for the tests: run a stage on N ranks (CPU, gloo), once per configuration, and read what it
 wrote. `pytest tests --stage path/to/my_stage2.py` runs the stage checks against any file that implements a stage.
-Ranks are started the way torchrun starts them on one node, without torchrun's agent process (which costs a start-up per run);
-`pytest tests --torchrun` starts every run under torchrun itself. The tests of killed ranks always use torchrun.
+Ranks are started the way torchrun starts them on one node, without torchrun's agent process (which costs a start-up per run),
+each forked from tests/fork_server.py, which has imported torch once (a run would spend most of its time importing it);
+`pytest tests --torchrun` starts every run under torchrun itself, `--no_fork` each rank as a fresh process. The tests of
+killed ranks always use torchrun.
 The runs see no GPU (CUDA_VISIBLE_DEVICES=""), so the suite checks the CPU path alike on any machine; tests/test_gpu.py
 runs its CUDA runs (gpu_runner) on the fake CUDA device (tests/fake_cuda.py), or with `pytest tests --gpu` on the
 machine's GPUs."""
+import atexit
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,10 +30,13 @@ def pytest_addoption(parser):
     parser.addoption("--stage", action="append", default=[], metavar="FILE",
                      help="a file implementing a stage, to test instead of the repository's stages (repeatable)")
     parser.addoption("--torchrun", action="store_true", help="start every multi-rank run under torchrun")
+    parser.addoption("--no_fork", action="store_true", help="start every run as a fresh Python process, not forked "
+                     "from tests/fork_server.py")
     parser.addoption("--gpu", action="store_true", help="also run tests/test_gpu.py on this machine's CUDA GPUs")
 
 
 def pytest_configure(config):
+    ForkServer.enabled = not config.getoption("no_fork")
     config.addinivalue_line("markers", "quick: the learner's check (`pytest tests -m quick`): every stage's parity with "
                             "the reference on 2 ranks")
 
@@ -57,6 +64,102 @@ def last_lines(text, n):
     lines = [ln for ln in text.strip().splitlines() if "USDT:" not in ln and "OMP_NUM_THREADS" not in ln and "*****" not in ln]
     todo = [ln for ln in lines if "NotImplementedError: TODO" in ln][:1]
     return todo + lines[-n:]
+
+
+# Variables read while torch (or Python, or a library torch loads) is imported: a run that sets one starts fresh.
+IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS", "GOMP", "KMP_", "CUDA", "NCCL", "GLOO", "LD_", "PYTHON",
+               "MALLOC")
+
+
+class ForkServer:
+    """tests/fork_server.py, started on first use and stopped with the suite: one per pytest process."""
+    enabled = True
+    proc = None
+    path = None
+
+    @classmethod
+    def usable(cls, env):
+        """Whether a run with this environment can be forked: it differs from the server's in nothing torch reads
+        while it is imported."""
+        if not cls.enabled:
+            return False
+        base = cls.environment()
+        # (PYTHONPATH is the child's own: fork_server.py sets sys.path and imports its sitecustomize)
+        changed = [k for k in set(env) | set(base) if env.get(k) != base.get(k) and k != "PYTHONPATH"]
+        return not any(k.startswith(IMPORT_TIME) for k in changed)
+
+    @staticmethod
+    def environment():
+        return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+    @classmethod
+    def start(cls, argv, env, cwd, stdout, stderr):
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.path = tempfile.mkdtemp(prefix="forks") + "/socket"
+            env0 = {k: v for k, v in cls.environment().items() if k != "PYTHONPATH"}
+            cls.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fork_server.py"), cls.path],
+                                        stdin=subprocess.PIPE, cwd=ROOT, env=env0)
+            atexit.register(cls.proc.stdin.close)
+            while not os.path.exists(cls.path):
+                if cls.proc.poll() is not None:
+                    raise RuntimeError(f"tests/fork_server.py exited with code {cls.proc.returncode}")
+                time.sleep(0.05)
+        return Forked(cls.path, argv, env, cwd, stdout, stderr)
+
+
+class Forked:
+    """A run forked by tests/fork_server.py, with what the tests use of subprocess.Popen: args, pid, poll, wait, kill
+    and returncode (negative: the signal that killed it)."""
+
+    def __init__(self, path, argv, env, cwd, stdout, stderr):
+        self.args = [sys.executable, *argv]
+        self.returncode = None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        body = json.dumps({"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd)}).encode()
+        socket.send_fds(self.sock, [len(body).to_bytes(4, "little")], [stdout.fileno(), stderr.fileno()])
+        self.sock.sendall(body)
+        self.pid = int(self.line(block=True))
+
+    def line(self, block):
+        """The server's next line, or None if it has not come (block=False)."""
+        self.sock.setblocking(block)
+        data = b""
+        while not data.endswith(b"\n"):
+            try:
+                chunk = self.sock.recv(64)
+            except BlockingIOError:
+                if not data:
+                    return None
+                self.sock.setblocking(True)
+                continue
+            if not chunk:
+                raise RuntimeError("tests/fork_server.py stopped while a run was going")
+            data += chunk
+        return data.decode()
+
+    def poll(self):
+        if self.returncode is None:
+            line = self.line(block=False)
+            if line is not None:
+                self.returncode = int(line)
+                self.sock.close()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self):
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 9)
+            except ProcessLookupError:
+                pass
 
 
 class Run:
@@ -100,7 +203,9 @@ class Runner:
             tag = f"{Path(script).stem}_{nproc}_{len(self.cache)}"
             out, master = self.tmp / f"{tag}.json", self.tmp / f"{tag}.pt"
             cmd = self.command(script, nproc, [*args, "--out", str(out), "--save_master", str(master)])
-            if nproc is None or self.torchrun:
+            if nproc is None:
+                p = self.finish(cmd[1:], self.env(env))
+            elif self.torchrun:
                 p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=self.env(env), timeout=900)
             else:
                 p = self.spawn(script, nproc, [*args, "--out", str(out), "--save_master", str(master)], env)
@@ -124,8 +229,7 @@ class Runner:
                             LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             outs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))  # files, not pipes: never full
             fake = [str(ROOT / "tests" / "fake_cuda.py")] if self.fake else []
-            procs.append(subprocess.Popen([sys.executable, *fake, script, *args], stdout=outs[-1][0],
-                                          stderr=outs[-1][1], text=True, cwd=ROOT, env=rank_env))
+            procs.append(self.start([*fake, script, *args], rank_env, *outs[-1]))
         deadline = time.monotonic() + timeout
         code = 0  # the exit code of the first rank to fail by itself (those stopped below are not its cause)
         while None in [p.poll() for p in procs]:  # (a list: every rank polled, so a failed one is seen at once)
@@ -144,9 +248,29 @@ class Runner:
         code = code or next((p.returncode for p in procs if p.returncode), 0)
         return subprocess.CompletedProcess(procs[0].args, code, "".join(o for o, _ in text), "".join(e for _, e in text))
 
+    def start(self, argv, env, stdout, stderr):
+        """`python *argv`, forked from the fork server where it can be, else a fresh process."""
+        if not self.gpu and ForkServer.usable(env):
+            return ForkServer.start(argv, env, ROOT, stdout, stderr)
+        return subprocess.Popen([sys.executable, *argv], stdout=stdout, stderr=stderr, text=True, cwd=ROOT, env=env)
+
+    def finish(self, argv, env, timeout=900):
+        """`python *argv` to its end, as subprocess.run(..., capture_output=True, text=True) returns it."""
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        p = self.start(argv, env, out, err)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
+
     def launch(self, script, nproc, *args, env=None):
         """Run once, uncached and unchecked (for runs meant to fail); return the finished process."""
         cmd = self.command(script, nproc, list(args))
+        if nproc is None:
+            return self.finish(cmd[1:], self.env(env))
         return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=self.env(env), timeout=900)
 
 
