@@ -172,6 +172,13 @@ def mem_get_info(index):
 def host_memory_stats():
     return dict(host)
 
+def grew(index):
+    """Whether the device holds more than after the previous step, by more than the allowance (a leak, if it stays)."""
+    if steps["done"] < 2:
+        return False
+    return memory(index).allocated - steps["allocated"][-1] > LEAK_ALLOWANCE
+
+
 def after_step(index):
     """Called after each optimizer step: (the file:line that made most of it, a finding) when the device holds more
     than after the previous step, from the third step on (the first steps make Adam's moments and the buffers that
