@@ -8,15 +8,21 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, Runner
 
 TINY = ["--preset", "tiny", "--steps", "2", "--no_progress", "--sample_chars", "0"]
 CPU_ONLY = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+PYTHON = Runner(None)  # `python script args`, forked from the suite's fork server
+
+
+def python(cmd):
+    """`cmd` ([sys.executable, script, *args]) to its end, as the suite runs a script: output captured, no GPU."""
+    return PYTHON.finish(cmd[1:], PYTHON.env(), timeout=120)
 
 
 def fails_fast(cmd, expected):
     start = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=CPU_ONLY, timeout=120)
+    p = python(cmd)
     elapsed = time.perf_counter() - start
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("error:") or ": error:" in ln]
     assert p.returncode != 0, f"{' '.join(cmd)} should fail, but exited 0"
@@ -61,8 +67,7 @@ def test_reference_learns_real_text(runner):
 def test_help_shows_every_default(script):
     """--help (options.py's docstring promises it) explains every option and shows the default of each that has one,
     never a default of None."""
-    p = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, cwd=ROOT,
-                       env=CPU_ONLY, timeout=120)
+    p = python([sys.executable, str(ROOT / script), "--help"])
     text = " ".join(p.stdout.split())  # argparse wraps the help: one line of words
     options = [o for o in dict.fromkeys(re.findall(r"\[(--\w+)", p.stdout))]
     assert p.returncode == 0 and len(options) > 20, p.stdout + p.stderr
