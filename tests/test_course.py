@@ -110,3 +110,29 @@ def test_the_steps_between_match_the_reference(runner, reference, tmp_path_facto
     k = first_difference(reference.summary["losses"], run.summary["losses"], LOSS_ATOL)
     assert k is None, f"{where}: loss at step {k}"
     compare_params(reference.master, run.master, where)
+
+
+STEPS = list(dict.fromkeys(s for _, before, after, _ in LESSONS for s in (before, after)))
+
+
+def with_grad_accum(train, grad_accum):
+    """TRAIN with --grad_accum grad_accum instead of its own."""
+    at = train.index("--grad_accum")
+    return [*train[:at + 1], str(grad_accum), *train[at + 2:]]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.parametrize("name", STEPS)
+def test_every_step_keeps_its_own_ledger(runner, tmp_path_factory, name, grad_accum):
+    """Every step of the ladder, the files between two lessons too, is right by the formula it prints: on 2 ranks, at
+    --grad_accum 1 and 2, each memory category it measures and each collective's bytes equal the formula's."""
+    path = tmp_path_factory.mktemp("steps") / file_name(name)
+    path.write_text(step(name))
+    s = runner.run(str(path), 2, *MODEL, *with_grad_accum(TRAIN, grad_accum)).summary
+    where = f"{name} at N=2, --grad_accum {grad_accum}"
+    for category, v in s["model_state_bytes"].items():
+        assert v["measured"] == v["theory"], (
+            f"{where}: this rank holds {v['measured']:,} bytes of {category}, the formula says {v['theory']:,}")
+    for op, v in s["comm_bytes_per_step"]["by_collective"].items():
+        assert v["measured"] == pytest.approx(v["theory"], rel=1e-9, abs=1e-6), (
+            f"{where}: {op} sent {v['measured']:,.0f} bytes per step, the formula says {v['theory']:,.0f}")
