@@ -33,13 +33,15 @@ class Copies:
         # the stream the copies are queued on: the compute stream, so they run in order with compute
         self.stream = torch.cuda.current_stream(device) if self.cuda else None
 
-    def host(self, numel, dtype):  # a zeroed host buffer, pinned with CUDA (zeros_like of a pinned tensor is not)
+    # a zeroed host buffer, pinned with CUDA (zeros_like of a pinned tensor is not)
+    def host(self, numel, dtype):
         return torch.zeros(numel, dtype=dtype, pin_memory=self.cuda)
 
     def copy(self, dst, src):  # one end from host()
         return dst.copy_(src, non_blocking=self.cuda)
 
-    def landed(self):  # the host waits until every copy queued so far has landed (and so may read or rewrite its ends)
+    # the host waits until every copy queued so far has landed (and so may read or rewrite its ends)
+    def landed(self):
         if self.cuda:
             self.stream.synchronize()
 
@@ -72,16 +74,19 @@ class Bucket:
         self.work = None   # the collective in flight
         self.grad = None   # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
-        self.acc = None    # its reduced shard, summed on the device over the micro-steps until it goes down
+        # its reduced shard, summed on the device over the micro-steps until it goes down
+        self.acc = None
 
-    def state(self):  # where its full parameters are: "gathering" (an all-gather in flight), "gathered" or "freed"
+    # where its full parameters are: "gathering" (an all-gather in flight), "gathered" or "freed"
+    def state(self):
         if self.gather is not None:
             return "gathering"
         return "gathered" if self.param.untyped_storage().nbytes() else "freed"
 
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
-    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    from_meta = True
 
     @staticmethod
     def add_args(parser):
@@ -97,11 +102,11 @@ class OffloadEngine:
     def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = [p for _, p in trained(model)][::-1]  # (stages 0-2's order; here they are ordered by unit below)
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
         unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
-        params = list(unit_of)  # unit by unit (a unit with nothing to train gets no bucket, no hooks)
+        # unit by unit (a unit with nothing to train gets no bucket, no hooks)
+        params = list(unit_of)
         # [/ZeRO-3]
         self.buckets = [Bucket(0, unit_of[params[0]])]
         self.bucket_of = {}  # parameter -> its bucket
@@ -122,17 +127,20 @@ class OffloadEngine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
-                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                # main() builds the model on the meta device: p gets storage, and its values, only now
+                if p.is_meta:
                     torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
                     model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
-            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            # once, before training: every rank starts from rank 0's weights
+            dist.broadcast(b.param, src=0)
             # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
+        # frozen parameters and buffers: rank 0's too; buffers before each forward too
+        share_rank0s(model, args)
         # [Offload] in CPU memory: the fp32 master and Adam's moments (no copy touches them), the gradient shard that
         # comes down from the step's last micro-step, and staging, where the new parameters wait for their copy up
         self.copies = Copies(device)
@@ -162,7 +170,7 @@ class OffloadEngine:
             self.updater = ThreadPoolExecutor(1)
             set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
         # [/DPU]
-        self.in_flight = []  # buckets whose reduce-scatter is in flight
+        self.in_flight = []
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
         self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
@@ -171,10 +179,12 @@ class OffloadEngine:
         # [/ZeRO-3]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
+        # True from a backward(loss, sync=True) until the step that uses its gradient
+        self.sync = False
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    def _pad(self, b):  # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
+    # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
+    def _pad(self, b):
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
@@ -182,12 +192,14 @@ class OffloadEngine:
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard_range(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    def _shard_range(self, b):
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
-    def _gather(self, b):  # start gathering bucket b's full parameters from every rank's shard (asynchronously)
+    # start gathering bucket b's full parameters from every rank's shard (asynchronously)
+    def _gather(self, b):
         if b.state() == "freed":
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             # [ZeRO-3 Offload] the shard comes up, and the all-gather is issued on the copies' stream (NCCL waits for
@@ -201,7 +213,8 @@ class OffloadEngine:
             # [/ZeRO-3 Offload]
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
-    def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
+    # b runs next (forward or backward): have its parameters; prefetch the next bucket's
+    def _use(self, b, order):
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
         # [/Recompute]
@@ -210,7 +223,8 @@ class OffloadEngine:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
         if b not in order:
-            order.append(b)  # the first pass records the order; later passes prefetch by it
+            # the first pass records the order; later passes prefetch by it
+            order.append(b)
         self._gather(b)
         self._wait(b)
         # prefetch the next unit in the order, but in backward never one whose backward is over: it would stay gathered
@@ -227,12 +241,14 @@ class OffloadEngine:
         self._wait(b)
         b.param.untyped_storage().resize_(0)
 
-    def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
+    # free b's parameters; if backward will come, gather them again just before it
+    def _after_forward(self, b, out):
         # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
         # [/Recompute]
-        self._free(b)  # (autograd's saved views of the parameters share its storage: freed too)
+        # (autograd's saved views of the parameters share its storage: freed too)
+        self._free(b)
         for t in output_tensors(out):
             if t.requires_grad:
                 t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
@@ -261,13 +277,15 @@ class OffloadEngine:
             else:
                 b.reduced = torch.empty_like(self._my_shard_of(b.grad))
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
-            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
+            # by now the previous bucket's reduction is (nearly always) done: release it
+            while self.in_flight:
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
             # [/ZeRO-2]
 
     # [Offload] wait for the reduce-scatter; on the last micro-step, copy the shard summed on the device to the CPU
-    def _release(self, b):  # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
+    # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
+    def _release(self, b):
         b.work.wait()
         b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)  # summed over the micro-steps, on the device
         if self.sync:
@@ -281,7 +299,8 @@ class OffloadEngine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
+        # True on the step's last micro-step: its gradient will be complete, step() may follow
+        self.sync = sync
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
@@ -291,7 +310,8 @@ class OffloadEngine:
 
     def step(self, lr):
         require(self.sync, Misuse.NO_BACKWARD)
-        self.sync = False  # this gradient is used up: the next step needs another backward
+        # this gradient is used up: the next step needs another backward
+        self.sync = False
         # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
@@ -303,13 +323,14 @@ class OffloadEngine:
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
-        if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        if coef is None:
             self._drop_gradient()
             return norm
         self.optimizer.t += 1
         # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
         if self.args.delayed_update:
-            # (after a step skipped for an fp16 overflow: the update from the step before it)
+            # the update in flight goes up first (after a step skipped for an fp16 overflow: the one before it)
             self._finish_update()
             self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
             # coef as a number on the host: the thread reads no device memory
@@ -326,7 +347,8 @@ class OffloadEngine:
         self.copies.landed()
         return norm
 
-    def _drop_gradient(self):  # the step used (or skipped) this gradient: the next one starts from zero
+    # the step used (or skipped) this gradient: the next one starts from zero
+    def _drop_gradient(self):
         self.grad_shard.zero_()
 
     def _adam_step(self, grad_shard, sh, step, lr, coef):
@@ -357,7 +379,7 @@ class OffloadEngine:
         if self.update is not None:
             update = self.update
             self.update = None
-            # (waits for it) an error in its thread: one line, nothing sent
+            # exception() waits for the update; an error in its thread stops the run in one line, nothing sent
             if (e := update.exception()) is not None:
                 raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".split("\n")[0])
             self._send(slice(None))
@@ -366,7 +388,8 @@ class OffloadEngine:
     # [/DPU]
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
+    # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
+    def grad(self, p):
         # every copy queued so far has landed: the gradient shard's too
         self.copies.landed()
         lo, hi, at = self._piece_of(p)
@@ -384,7 +407,8 @@ class OffloadEngine:
         # [/DPU]
         return states
 
-    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
+    # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
+    def state_pieces(self):
         # [DPU] the update in flight lands first (a one-step shift)
         self._finish_update()
         # [/DPU]
@@ -396,13 +420,16 @@ class OffloadEngine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
+    # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
+    def _piece_of(self, p):
         b = self.bucket_of[p]
-        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        s = (b.end - b.start) // self.world_size
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
-    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
+    # a checkpoint filled this rank's master and moments: count its steps, update the model
+    def resume(self, step):
         self.optimizer.t = step
         self.param_shard.copy_(self.master)
 

@@ -136,3 +136,28 @@ def test_every_step_keeps_its_own_ledger(runner, tmp_path_factory, name, grad_ac
     for op, v in s["comm_bytes_per_step"]["by_collective"].items():
         assert v["measured"] == pytest.approx(v["theory"], rel=1e-9, abs=1e-6), (
             f"{where}: {op} sent {v['measured']:,.0f} bytes per step, the formula says {v['theory']:,.0f}")
+
+
+@pytest.mark.parametrize("lesson", [name for name, *_ in LESSONS])
+def test_every_lesson_is_graded(tmp_path, lesson):
+    """`pytest --stage FILE --lesson NAME` grades FILE as the step after lesson NAME: the step before, which lacks the
+    lesson's idea, fails tests/test_ideas.py's check of that idea, naming it; the step after passes it."""
+    _, before, after, _ = next(row for row in LESSONS if row[0] == lesson)
+    from test_ideas import IDEAS, LESSON_IDEAS
+    idea = IDEAS[LESSON_IDEAS[lesson] - 1]
+    paths = []
+    for name, where in ((before, "before"), (after, "after")):
+        path = tmp_path / where / file_name(name)
+        path.parent.mkdir()
+        path.write_text(step(name))
+        paths.append(path)
+    test = f"{ROOT / 'tests' / 'test_ideas.py'}::test_the_idea_is_there"
+    ids = [f"{test}[{path.stem}-{idea.replace(' ', '_')}]" for path in paths]
+    cmd = [sys.executable, "-m", "pytest", *ids, *[a for p in paths for a in ("--stage", str(p))], "--lesson", lesson,
+           "-q", "-p", "no:cacheprovider", "-rfEs", "--basetemp", str(tmp_path / "pytest")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    out = p.stdout + p.stderr
+    assert f"FAILED {ids[0].removeprefix(str(ROOT) + '/')}" in out, (
+        f"{lesson}: {before}, graded as {after}, did not fail:\n{out[-3000:]}")
+    assert f"[{idea}]" in out, f"{lesson}: the failure does not name [{idea}]:\n{out[-3000:]}"
+    assert "1 failed, 1 passed" in out, f"{lesson}: {after} did not pass its own idea's check:\n{out[-3000:]}"

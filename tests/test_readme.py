@@ -15,8 +15,8 @@ LESSON_LIMITS = {"1_zero1": (50, 60), "2_zero2": (40, 40), "3_zero3": (80, 60), 
                  "5_offload": (60, 65), "6_copy_stream": (15, 10), "7_offload_params": (15, 12),
                  "8_delayed_update": (30, 20)}  # offload's ideas: at most 60 code lines each
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
-MOST_LINES = {"train_gpt.py": 530, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 300,
-              "offload.py": 410}
+MOST_LINES = {"train_gpt.py": 530, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 290,
+              "offload.py": 440}
 WIDTH = 120
 
 
