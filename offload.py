@@ -77,12 +77,6 @@ class Bucket:
         # its reduced shard, summed on the device over the micro-steps until it goes down
         self.acc = None
 
-    # where its full parameters are: "gathering" (an all-gather in flight), "gathered" or "freed"
-    def state(self):
-        if self.gather is not None:
-            return "gathering"
-        return "gathered" if self.param.untyped_storage().nbytes() else "freed"
-
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
     # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
@@ -144,10 +138,6 @@ class OffloadEngine:
         # [Offload] in CPU memory: the fp32 master and Adam's moments (no copy touches them), the gradient shard that
         # comes down from the step's last micro-step, and staging, where the new parameters wait for their copy up
         self.copies = Copies(device)
-        # [Copy stream] with CUDA, the copies on a stream of their own
-        if self.copies.cuda:
-            self.copies = CopyStream(device)
-        # [/Copy stream]
         self.device = device
         self.master = self.param_shard.to("cpu", torch.float32, copy=True)
         self.optimizer = AdamW(self.master, args)
@@ -157,6 +147,10 @@ class OffloadEngine:
         self.grad_acc = torch.zeros_like(self.grad_shard, device=device) if args.grad_accum > 1 else None
         self.adam = load_cpu_adam(announce=self.rank == 0)
         # [/Offload]
+        # [Copy stream] with CUDA, the copies on a stream of their own (the host buffers are made: they stay)
+        if self.copies.cuda:
+            self.copies = CopyStream(device)
+        # [/Copy stream]
         # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
         if args.offload_params:
             self.param_shard = self.copies.host(self.param_shard.numel(), params[0].dtype).copy_(self.param_shard)
@@ -200,7 +194,8 @@ class OffloadEngine:
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
     # start gathering bucket b's full parameters from every rank's shard (asynchronously)
     def _gather(self, b):
-        if b.state() == "freed":
+        # neither gathered nor gathering: its storage is freed
+        if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             # [ZeRO-3 Offload] the shard comes up, and the all-gather is issued on the copies' stream (NCCL waits for
             # the current stream): it waits for the copy, and compute only for the gather, at b.gather.wait()
@@ -233,7 +228,7 @@ class OffloadEngine:
             self._gather(after[0])
 
     def _wait(self, b):  # b's all-gather in flight, if any, has landed
-        if b.state() == "gathering":
+        if b.gather is not None:
             b.gather.wait()
             b.gather = None
 
@@ -328,6 +323,7 @@ class OffloadEngine:
             self._drop_gradient()
             return norm
         self.optimizer.t += 1
+        # [/Offload]
         # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
         if self.args.delayed_update:
             # the update in flight goes up first (after a step skipped for an fp16 overflow: the one before it)
@@ -351,6 +347,7 @@ class OffloadEngine:
     def _drop_gradient(self):
         self.grad_shard.zero_()
 
+    # [Offload] AdamW on the host, in C++
     def _adam_step(self, grad_shard, sh, step, lr, coef):
         """C++ AdamW on this rank's elements sh, clipping the gradient by coef and writing the new parameters into
         staging in the same pass (the host has waited for staging's last copies up)."""
@@ -358,6 +355,7 @@ class OffloadEngine:
         self.adam.adam_step(self.master[sh], grad_shard[sh], self.optimizer.exp_avg[sh], self.optimizer.exp_avg_sq[sh],
                             self.staging[sh], step=step, lr=lr, beta1=a.beta1, beta2=a.beta2,
                             eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)
+    # [/Offload]
 
     def _send(self, sh):  # staging's new parameters [sh] up to the parameter shard
         # [ZeRO-3 Offload] the parameter shard is in CPU memory: staging's values go there, once no copy reads it
@@ -366,7 +364,6 @@ class OffloadEngine:
             return self.param_shard[sh].copy_(self.staging[sh])
         # [/ZeRO-3 Offload]
         self.copies.copy(self.param_shard[sh], self.staging[sh])
-    # [/Offload]
 
     # [DPU] the update in a thread: AdamW over the whole shard, sent up by the next step; if it failed, stop with its
     # error, in one line

@@ -33,12 +33,6 @@ class Bucket:
         self.grad = None   # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
 
-    # where its full parameters are: "gathering" (an all-gather in flight), "gathered" or "freed"
-    def state(self):
-        if self.gather is not None:
-            return "gathering"
-        return "gathered" if self.param.untyped_storage().nbytes() else "freed"
-
 class ZeRO3Engine:
     """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
     # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
@@ -127,7 +121,8 @@ class ZeRO3Engine:
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
     # start gathering bucket b's full parameters from every rank's shard (asynchronously)
     def _gather(self, b):
-        if b.state() == "freed":
+        # neither gathered nor gathering: its storage is freed
+        if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
@@ -151,7 +146,7 @@ class ZeRO3Engine:
             self._gather(after[0])
 
     def _wait(self, b):  # b's all-gather in flight, if any, has landed
-        if b.state() == "gathering":
+        if b.gather is not None:
             b.gather.wait()
             b.gather = None
 

@@ -11,7 +11,7 @@ sys.path.insert(0, str(ROOT / "course"))
 from make_lessons import LESSONS, lesson, table  # noqa: E402
 
 # each lesson (course/make_lessons.py): the most code lines, and the most other lines, it may change
-LESSON_LIMITS = {"1_zero1": (50, 60), "2_zero2": (40, 40), "3_zero3": (80, 60), "4_recompute": (5, 5),
+LESSON_LIMITS = {"1_zero1": (50, 60), "2_zero2": (40, 40), "3_zero3": (75, 60), "4_recompute": (5, 5),
                  "5_offload": (60, 65), "6_copy_stream": (15, 10), "7_offload_params": (15, 12),
                  "8_delayed_update": (30, 20)}  # offload's ideas: at most 60 code lines each
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
