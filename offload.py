@@ -99,7 +99,7 @@ class OffloadEngine:
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
         unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
-        # unit by unit (a unit with nothing to train gets no bucket, no hooks)
+        # the trained parameters, unit by unit (a unit with nothing to train gets no bucket and no hooks)
         params = list(unit_of)
         # [/ZeRO-3]
         self.buckets = [Bucket(0, unit_of[params[0]])]
@@ -194,7 +194,7 @@ class OffloadEngine:
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
     # start gathering bucket b's full parameters from every rank's shard (asynchronously)
     def _gather(self, b):
-        # neither gathered nor gathering: its storage is freed
+        # its storage is freed: neither gathered nor being gathered
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             # [ZeRO-3 Offload] the shard comes up, and the all-gather is issued on the copies' stream (NCCL waits for
@@ -242,7 +242,7 @@ class OffloadEngine:
         if b.waiting:
             return
         # [/Recompute]
-        # (autograd's saved views of the parameters share its storage: freed too)
+        # autograd's saved views of the parameters share the bucket's storage: they are freed too
         self._free(b)
         for t in output_tensors(out):
             if t.requires_grad:

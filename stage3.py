@@ -48,7 +48,7 @@ class ZeRO3Engine:
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
         unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
-        # unit by unit (a unit with nothing to train gets no bucket, no hooks)
+        # the trained parameters, unit by unit (a unit with nothing to train gets no bucket and no hooks)
         params = list(unit_of)
         # [/ZeRO-3]
         self.buckets = [Bucket(0, unit_of[params[0]])]
@@ -121,7 +121,7 @@ class ZeRO3Engine:
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
     # start gathering bucket b's full parameters from every rank's shard (asynchronously)
     def _gather(self, b):
-        # neither gathered nor gathering: its storage is freed
+        # its storage is freed: neither gathered nor being gathered
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
@@ -160,7 +160,7 @@ class ZeRO3Engine:
         if b.waiting:
             return
         # [/Recompute]
-        # (autograd's saved views of the parameters share its storage: freed too)
+        # autograd's saved views of the parameters share the bucket's storage: they are freed too
         self._free(b)
         for t in output_tensors(out):
             if t.requires_grad:
