@@ -135,10 +135,8 @@ class OffloadEngine:
             # [/ZeRO-3]
         # frozen parameters and buffers: rank 0's too; buffers before each forward too
         share_rank0s(model, args)
-        # [Offload] in CPU memory: the fp32 master and Adam's moments (no copy touches them), the gradient shard that
-        # comes down from the step's last micro-step, and staging, where the new parameters wait for their copy up
+        # [Offload] in host memory: the fp32 master, Adam's moments, the gradient shard and staging (for the copies up)
         self.copies = Copies(device)
-        self.device = device
         self.master = self.param_shard.to("cpu", torch.float32, copy=True)
         self.optimizer = AdamW(self.master, args)
         self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
@@ -147,7 +145,7 @@ class OffloadEngine:
         self.grad_acc = torch.zeros_like(self.grad_shard, device=device) if args.grad_accum > 1 else None
         self.adam = load_cpu_adam(announce=self.rank == 0)
         # [/Offload]
-        # [Copy stream] with CUDA, the copies on a stream of their own (the host buffers are made: they stay)
+        # [Copy stream] with CUDA, the copies on a stream of their own (the pinned buffers made above serve it too)
         if self.copies.cuda:
             self.copies = CopyStream(device)
         # [/Copy stream]
@@ -155,14 +153,10 @@ class OffloadEngine:
         if args.offload_params:
             self.param_shard = self.copies.host(self.param_shard.numel(), params[0].dtype).copy_(self.param_shard)
         # [/ZeRO-3 Offload]
-        # [DPU] --delayed_update: a second gradient shard, read by step t's update (a thread) while step t+1 fills one;
-        # the update runs beside forward and backward, so the C++ AdamW leaves them a core
+        # [DPU] --delayed_update: step t's update runs in a thread during step t+1
         self.update = None
         if args.delayed_update:
-            self.spare_grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
-            from concurrent.futures import ThreadPoolExecutor  # (this option's thread: imported only when asked for)
-            self.updater = ThreadPoolExecutor(1)
-            set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
+            self._start_updater()
         # [/DPU]
         self.in_flight = []
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
@@ -313,8 +307,9 @@ class OffloadEngine:
         # [/ZeRO-3]
         # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
         self.copies.landed()
-        # this shard's squares, summed on the host, filled into a device scalar (a copy up would block the host)
-        norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64, device=self.device)
+        # this shard's squares, summed on the host, filled into a scalar on the device (a copy up would block the host)
+        norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64,
+                          device=self.buckets[0].param.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
@@ -365,8 +360,15 @@ class OffloadEngine:
         # [/ZeRO-3 Offload]
         self.copies.copy(self.param_shard[sh], self.staging[sh])
 
-    # [DPU] the update in a thread: AdamW over the whole shard, sent up by the next step; if it failed, stop with its
-    # error, in one line
+    # [DPU] the update in a thread: AdamW over the whole shard, sent up by the next step (an error stops the run)
+    def _start_updater(self):
+        """A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
+        the update runs beside forward and backward, so the C++ AdamW leaves them a core."""
+        self.spare_grad_shard = self.copies.host(self.master.numel(), self.grad_shard.dtype)
+        from concurrent.futures import ThreadPoolExecutor  # (this option's thread: imported only when asked for)
+        self.updater = ThreadPoolExecutor(1)
+        set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
+
     def _cpu_update(self, grad_shard, step, lr, coef):
         for b in self.buckets:
             self._adam_step(grad_shard, self._shard_range(b), step, lr, coef)
