@@ -164,7 +164,7 @@ def agree(error):
 # ----------------------------------------------------------------------------------------------------------
 # ZeRO-Offload's C++ AdamW: which code path, built with which flags, on how many threads.
 
-CPU_ADAM_BUILDS = {}  # instruction set -> the module offload.load_cpu_adam built for it, once per process
+CPU_ADAM_BUILDS = {}  # instruction set -> the module load_cpu_adam built for it, once per process
 def cpu_adam_source():
     """The text of cpu_adam.cpp, the project's (wherever a stage file is: an exercise's copy builds the same kernel)."""
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_adam.cpp")) as f:
@@ -242,3 +242,15 @@ def set_cpu_adam_threads(mod, spare=0, announce=False):
               f"{'s' * (cores > 1)} / {local} local rank{'s' * (local > 1)}"
               + f", {spare} left to the rank's own threads" * bool(spare) + ")", flush=True)
     return mod
+
+def load_cpu_adam(isa=None, announce=False, spare=0):
+    """cpu_adam.cpp built by load_inline for the best code path this CPU runs, on its cores less spare."""
+    isa = cpu_adam_isa(isa)
+
+    # (the module's Python bindings are cpu_adam.cpp's own: its arguments have names)
+    def build():
+        return torch.utils.cpp_extension.load_inline(f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()],
+                                                     **cpu_adam_flags(isa))
+    # once per code path and process; a missing compiler is one clear error
+    module = build_cpu_adam(isa, build)
+    return set_cpu_adam_threads(module, spare, announce)

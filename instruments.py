@@ -221,10 +221,10 @@ class Timeline:
         stream = getattr(copies, "stream", None) if self.cuda else None
         if hasattr(copies, "copy"):  # offload's copies between device and host
             copies.copy = self._wrap(copies.copy, *self._span("copies", "copy", stream))
-        if hasattr(copies, "compute_waits") and not self.cuda:  # compute waiting for copies: a wait, not compute (on
-            # a GPU the compute stream waits, not the host: a gap between kernels)
-            copies.compute_waits = self._wrap(copies.compute_waits, time.perf_counter,
-                                              lambda t0: self.calls.append(("wait copies", t0, time.perf_counter())))
+        if hasattr(copies, "landed") and not self.cuda:  # the host waiting for copies: a wait, not compute (on a GPU
+            # the wait shows as the gap between the kernels on either side of it)
+            copies.landed = self._wrap(copies.landed, time.perf_counter,
+                                       lambda t0: self.calls.append(("wait copies", t0, time.perf_counter())))
         updater = getattr(engine, "updater", None)
         if hasattr(updater, "submit"):  # --delayed_update's thread: the host waiting for its update is a host wait
             engine.updater = types.SimpleNamespace(**{k: getattr(updater, k) for k in dir(updater)

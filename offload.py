@@ -9,9 +9,7 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
 
 The idea: each bucket's reduced gradient shard goes down to host memory (Copies), the step's C++ AdamW (cpu_adam.cpp,
 built by load_inline) updates this rank's shard there, and the new parameters go up bucket by bucket. With CUDA the
-copies run on a copy stream, into pinned memory, under the rest of backward, joined to compute by events.
---offload_params keeps the parameter shard in CPU memory too, up for each gather (ZeRO-3 Offload); --delayed_update
-runs step t's update in a thread during step t+1 (the ZeRO-Offload paper's DPU).
+host buffers are pinned, so a copy does not block the host: it waits only where it reads what came down.
 With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the sum goes
 down (a sum on the host would have to wait inside backward for each micro-step's copy to land).
 
@@ -21,58 +19,49 @@ Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils.cpp_extension
 
-from devices import build_cpu_adam, cpu_adam_flags, cpu_adam_isa, cpu_adam_source, set_cpu_adam_threads
+from devices import load_cpu_adam, set_cpu_adam_threads
 from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s,
                        trained, units_of)
 
-def load_cpu_adam(isa=None, announce=False, spare=0):
-    """cpu_adam.cpp built by load_inline for the best code path this CPU runs (devices.py), on its cores less spare."""
-    isa = cpu_adam_isa(isa)  # which of the kernel's code paths to compile: "avx512", "avx2" or "scalar"
-
-    def build():  # (the module's Python bindings are cpu_adam.cpp's own: its arguments have names)
-        return torch.utils.cpp_extension.load_inline(f"cpu_adam_{isa}", cpp_sources=[cpu_adam_source()],
-                                                     **cpu_adam_flags(isa))  # OpenMP, the path's instructions
-    module = build_cpu_adam(isa, build)  # once per code path and process; a missing compiler is one clear error
-    return set_cpu_adam_threads(module, spare, announce)
-
 class Copies:
-    """Copies between device and host memory, with pinned host buffers where there is CUDA. A plain copy returns when
-    it is done; with CUDA they run on a copy stream beside the compute stream, joined to it by events."""
+    """Copies between device and host memory. With CUDA the host buffers are pinned (page-locked), so a copy is queued
+    on the compute stream and the host goes on; from or to pageable memory the copy would block it. Without CUDA a copy
+    returns when it is done."""
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        # [Copy stream] with CUDA, a stream of its own for the copies: they run beside compute instead of between it
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        # [/Copy stream]
+        # the stream the copies are queued on: the compute stream, so they run in order with compute
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
 
-    def host(self, numel, dtype):  # a zeroed host buffer, pinned with CUDA (zeros_like of a pinned tensor is not)
+    # a zeroed host buffer, pinned with CUDA (zeros_like of a pinned tensor is not)
+    def host(self, numel, dtype):
         return torch.zeros(numel, dtype=dtype, pin_memory=self.cuda)
 
-    def copy(self, dst, src):  # one end from host(); after the work queued so far on the compute stream
-        # [Copy stream] on the copy stream, without blocking the host (from or to pageable memory a copy would block it)
+    def copy(self, dst, src):  # one end from host()
+        return dst.copy_(src, non_blocking=self.cuda)
+
+    # the host waits until every copy queued so far has landed (and so may read or rewrite its ends)
+    def landed(self):
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                dst.copy_(src, non_blocking=True)
-            for t in [t for t in (src, dst) if t.is_cuda]:
-                t.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
-            return dst
-        # [/Copy stream]
-        return dst.copy_(src)
+            self.stream.synchronize()
 
-    # [Copy stream] the events that join the copy stream to the host and to the compute stream (None without CUDA)
-    def event(self):  # fires when every copy queued so far has landed
-        return self.stream.record_event() if self.cuda else None
+# [Copy stream] with CUDA, the copies run on a stream of their own, beside compute instead of between it
+class CopyStream(Copies):
+    """Copies on a copy stream: each waits for the work queued so far on the compute stream, and landed() waits for
+    the copy stream alone. Whatever the host queues after landed() runs after the copies: no event joins the streams."""
+    def __init__(self, device):
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device)
 
-    def host_waits(self, event):
-        if event is not None:
-            event.synchronize()
-
-    def compute_waits(self, event):  # the work queued on the compute stream from now on waits; the host goes on
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-    # [/Copy stream]
+    def copy(self, dst, src):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        # the allocator must not hand a device end's memory out before the copy is done
+        for t in [t for t in (src, dst) if t.is_cuda]:
+            t.record_stream(self.stream)
+        return dst
+# [/Copy stream]
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -85,16 +74,13 @@ class Bucket:
         self.work = None   # the collective in flight
         self.grad = None   # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
-        self.acc = None    # with --grad_accum: its reduced shard, summed on the device until the last micro-step
-
-    def state(self):  # where its full parameters are: "gathering" (an all-gather in flight), "gathered" or "freed"
-        if self.gather is not None:
-            return "gathering"
-        return "gathered" if self.param.untyped_storage().nbytes() else "freed"
+        # its reduced shard, summed on the device over the micro-steps until it goes down
+        self.acc = None
 
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
-    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    from_meta = True
 
     @staticmethod
     def add_args(parser):
@@ -110,11 +96,11 @@ class OffloadEngine:
     def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = [p for _, p in trained(model)][::-1]  # (stages 0-2's order; here they are ordered by unit below)
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
         unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
-        params = list(unit_of)  # unit by unit (a unit with nothing to train gets no bucket, no hooks)
+        # the trained parameters, unit by unit (a unit with nothing to train gets no bucket and no hooks)
+        params = list(unit_of)
         # [/ZeRO-3]
         self.buckets = [Bucket(0, unit_of[params[0]])]
         self.bucket_of = {}  # parameter -> its bucket
@@ -135,46 +121,44 @@ class OffloadEngine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
-                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                # main() builds the model on the meta device: p gets storage, and its values, only now
+                if p.is_meta:
                     torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
                     model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
-            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            # once, before training: every rank starts from rank 0's weights
+            dist.broadcast(b.param, src=0)
             # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
-        # [Offload] in CPU memory: fp32 master, Adam moments (no copy touches them), gradient shard, staging; C++ AdamW
+        # frozen parameters and buffers: rank 0's too; buffers before each forward too
+        share_rank0s(model, args)
+        # [Offload] in host memory: the fp32 master, Adam's moments, the gradient shard and staging (for the copies up)
         self.copies = Copies(device)
-        self.device = device
-        self.master = self.param_shard.to("cpu", torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
-        self.optimizer = AdamW(self.master, args)  # its state (m, v, t) in CPU memory; its step is the C++ kernel's
-        self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)  # down from the last micro-step
-        self.staging = self.copies.host(self.master.numel(), params[0].dtype)  # the new parameters, on their way up
-        self.spare_cores = 0  # cores the C++ AdamW leaves to this rank's other threads (--delayed_update: one)
+        self.master = self.param_shard.to("cpu", torch.float32, copy=True)
+        self.optimizer = AdamW(self.master, args)
+        self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
+        self.staging = self.copies.host(self.master.numel(), params[0].dtype)
+        # --grad_accum > 1: the micro-steps' reduced shards summed in one device buffer, grad_shard's size
+        self.grad_acc = torch.zeros_like(self.grad_shard, device=device) if args.grad_accum > 1 else None
+        self.adam = load_cpu_adam(announce=self.rank == 0)
         # [/Offload]
-        # [Grad acc] --grad_accum > 1: the micro-steps' reduced shards summed in one device buffer (grad_shard's size)
-        self.grad_acc = None if args.grad_accum == 1 else torch.zeros_like(self.grad_shard, device=device)
-        # [/Grad acc]
+        # [Copy stream] with CUDA, the copies on a stream of their own (the pinned buffers made above serve it too)
+        if self.copies.cuda:
+            self.copies = CopyStream(device)
+        # [/Copy stream]
         # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
         if args.offload_params:
             self.param_shard = self.copies.host(self.param_shard.numel(), params[0].dtype).copy_(self.param_shard)
         # [/ZeRO-3 Offload]
-        # [DPU] --delayed_update: a second gradient shard, read by step t's update (a thread) while step t+1 fills one
-        self.update = None  # the update in flight
+        # [DPU] --delayed_update: step t's update runs in a thread during step t+1
+        self.update = None
         if args.delayed_update:
-            self.spare_grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
-            from concurrent.futures import ThreadPoolExecutor  # (this option's thread: imported only when asked for)
-            self.updater = ThreadPoolExecutor(1)
-            self.spare_cores = 1  # the update runs beside forward and backward: leave them a core
+            self._start_updater()
         # [/DPU]
-        self.adam = load_cpu_adam(announce=self.rank == 0, spare=self.spare_cores)  # the C++ AdamW, built once
-        # [Copy stream] the event of the last gradient shard's copy down
-        self.grads_on_host = None
-        # [/Copy stream]
-        self.in_flight = []  # buckets whose reduce-scatter is in flight
+        self.in_flight = []
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
         self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
@@ -183,10 +167,12 @@ class OffloadEngine:
         # [/ZeRO-3]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
+        # True from a backward(loss, sync=True) until the step that uses its gradient
+        self.sync = False
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    def _pad(self, b):  # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
+    # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
+    def _pad(self, b):
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
@@ -194,26 +180,30 @@ class OffloadEngine:
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard_range(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    def _shard_range(self, b):
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
-    def _gather(self, b):  # start gathering bucket b's full parameters from every rank's shard (asynchronously)
-        if b.state() == "freed":
+    # start gathering bucket b's full parameters from every rank's shard (asynchronously)
+    def _gather(self, b):
+        # its storage is freed: neither gathered nor being gathered
+        if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
-            # [ZeRO-3 Offload] the shard comes up on the copy stream and the all-gather is issued there (NCCL waits for
+            # [ZeRO-3 Offload] the shard comes up, and the all-gather is issued on the copies' stream (NCCL waits for
             # the current stream): it waits for the copy, and compute only for the gather, at b.gather.wait()
             if self.args.offload_params:
-                shard = torch.empty_like(self._my_shard_of(b.param))  # on the device
+                shard = torch.empty_like(self._my_shard_of(b.param))
                 self.copies.copy(shard, self.param_shard[self._shard_range(b)])
-                with torch.cuda.stream(self.copies.stream):  # (no stream, without CUDA: nothing)
+                with torch.cuda.stream(self.copies.stream):
                     b.gather = comm.all_gather(b.param, shard, async_op=True)
                 return
             # [/ZeRO-3 Offload]
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
-    def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
+    # b runs next (forward or backward): have its parameters; prefetch the next bucket's
+    def _use(self, b, order):
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
         # [/Recompute]
@@ -222,7 +212,8 @@ class OffloadEngine:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
         if b not in order:
-            order.append(b)  # the first pass records the order; later passes prefetch by it
+            # the first pass records the order; later passes prefetch by it
+            order.append(b)
         self._gather(b)
         self._wait(b)
         # prefetch the next unit in the order, but in backward never one whose backward is over: it would stay gathered
@@ -231,7 +222,7 @@ class OffloadEngine:
             self._gather(after[0])
 
     def _wait(self, b):  # b's all-gather in flight, if any, has landed
-        if b.state() == "gathering":
+        if b.gather is not None:
             b.gather.wait()
             b.gather = None
 
@@ -239,12 +230,14 @@ class OffloadEngine:
         self._wait(b)
         b.param.untyped_storage().resize_(0)
 
-    def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
+    # free b's parameters; if backward will come, gather them again just before it
+    def _after_forward(self, b, out):
         # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
         # [/Recompute]
-        self._free(b)  # (autograd's saved views of the parameters share its storage: freed too)
+        # autograd's saved views of the parameters share the bucket's storage: they are freed too
+        self._free(b)
         for t in output_tensors(out):
             if t.requires_grad:
                 t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
@@ -266,19 +259,22 @@ class OffloadEngine:
             self._free(b)
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
-            b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
-            # [Grad acc] a step's first micro-step reduces straight into grad_acc
+            # this rank's part of the sum, its shard's size; with --grad_accum, a step's first micro-step reduces
+            # straight into grad_acc
             if self.grad_acc is not None and b.acc is None:
                 b.reduced = self.grad_acc[self._shard_range(b)]
-            # [/Grad acc]
+            else:
+                b.reduced = torch.empty_like(self._my_shard_of(b.grad))
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
-            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
+            # by now the previous bucket's reduction is (nearly always) done: release it
+            while self.in_flight:
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
             # [/ZeRO-2]
 
     # [Offload] wait for the reduce-scatter; on the last micro-step, copy the shard summed on the device to the CPU
-    def _release(self, b):  # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
+    # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
+    def _release(self, b):
         b.work.wait()
         b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)  # summed over the micro-steps, on the device
         if self.sync:
@@ -292,110 +288,126 @@ class OffloadEngine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
+        # True on the step's last micro-step: its gradient will be complete, step() may follow
+        self.sync = sync
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
         require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
         while self.in_flight:
             self._release(self.in_flight.pop())
-        # [Copy stream] an event that fires when the last gradient shard has landed on the CPU
-        if sync:
-            self.grads_on_host = self.copies.event()
-        # [/Copy stream]
 
     def step(self, lr):
         require(self.sync, Misuse.NO_BACKWARD)
-        self.sync = False  # this gradient is used up: the next step needs another backward
+        # this gradient is used up: the next step needs another backward
+        self.sync = False
         # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
         # [/ZeRO-3]
         # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
-        # [Copy stream] the gradient shard has landed in CPU memory
-        self.copies.host_waits(self.grads_on_host)
-        # [/Copy stream]
-        # this shard's squares, summed on the host, filled into a device scalar (a copy up would block the host)
-        norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64, device=self.device)
+        self.copies.landed()
+        # this shard's squares, summed on the host, filled into a scalar on the device (a copy up would block the host)
+        norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64,
+                          device=self.buckets[0].param.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
-        if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        if coef is None:
             self._drop_gradient()
             return norm
         self.optimizer.t += 1
+        # [/Offload]
         # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
         if self.args.delayed_update:
-            self._finish_update()  # (after a step skipped for an fp16 overflow: the update from the step before it)
+            # the update in flight goes up first (after a step skipped for an fp16 overflow: the one before it)
+            self._finish_update()
             self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
+            # coef as a number on the host: the thread reads no device memory
             self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr,
-                                              float(coef))  # (a number on the host: the thread reads no device)
+                                              float(coef))
             return norm
         # [/DPU]
-        self._cpu_update(self.grad_shard, self.optimizer.t, lr, float(coef), send=True)
-        # [Copy stream] the next forward gathers the new parameters: after they have landed
-        self.copies.compute_waits(self.copies.event())
-        # [/Copy stream]
+        # bucket by bucket: a bucket's new parameters go up while the next bucket is updated
+        for b in self.buckets:
+            self._adam_step(self.grad_shard, self._shard_range(b), self.optimizer.t, lr, float(coef))
+            self._send(self._shard_range(b))
+        self._drop_gradient()
+        # the new parameters have landed before the next forward gathers them and the next update rewrites staging
+        self.copies.landed()
         return norm
-        # [/Offload]
 
-    def _drop_gradient(self):  # a skipped step's gradient: the next starts from zero (_cpu_update zeroes a used one)
+    # the step used (or skipped) this gradient: the next one starts from zero
+    def _drop_gradient(self):
         self.grad_shard.zero_()
 
-    def _cpu_update(self, grad_shard, step, lr, coef, send=False):
-        """C++ AdamW over this rank's shard, a bucket's at a time, clipping by coef and writing the new parameters into
-        staging in the same pass (the host has waited for staging's last copies, or for gradients queued after them)."""
+    # [Offload] AdamW on the host, in C++
+    def _adam_step(self, grad_shard, sh, step, lr, coef):
+        """C++ AdamW on this rank's elements sh, clipping the gradient by coef and writing the new parameters into
+        staging in the same pass (the host has waited for staging's last copies up)."""
         a = self.args
-        for b in self.buckets:
-            sh = self._shard_range(b)
-            self.adam.adam_step(self.master[sh], grad_shard[sh], self.optimizer.exp_avg[sh],
-                                self.optimizer.exp_avg_sq[sh], self.staging[sh], step=step, lr=lr, beta1=a.beta1,
-                                beta2=a.beta2, eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)
-            if send:
-                self._send(sh)
-        grad_shard.zero_()
+        self.adam.adam_step(self.master[sh], grad_shard[sh], self.optimizer.exp_avg[sh], self.optimizer.exp_avg_sq[sh],
+                            self.staging[sh], step=step, lr=lr, beta1=a.beta1, beta2=a.beta2,
+                            eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)
+    # [/Offload]
 
-    def _send(self, sh):  # staging's new parameters [sh] up to the parameter shard, on the copy stream
+    def _send(self, sh):  # staging's new parameters [sh] up to the parameter shard
         # [ZeRO-3 Offload] the parameter shard is in CPU memory: staging's values go there, once no copy reads it
         if self.args.offload_params:
-            self.copies.host_waits(self.copies.event())
+            self.copies.landed()
             return self.param_shard[sh].copy_(self.staging[sh])
         # [/ZeRO-3 Offload]
         self.copies.copy(self.param_shard[sh], self.staging[sh])
 
-    # [DPU] wait for the update in flight and send its parameters up; if it failed, stop with its error, in one line
+    # [DPU] the update in a thread: AdamW over the whole shard, sent up by the next step (an error stops the run)
+    def _start_updater(self):
+        """A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
+        the update runs beside forward and backward, so the C++ AdamW leaves them a core."""
+        self.spare_grad_shard = self.copies.host(self.master.numel(), self.grad_shard.dtype)
+        from concurrent.futures import ThreadPoolExecutor  # (this option's thread: imported only when asked for)
+        self.updater = ThreadPoolExecutor(1)
+        set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
+
+    def _cpu_update(self, grad_shard, step, lr, coef):
+        for b in self.buckets:
+            self._adam_step(grad_shard, self._shard_range(b), step, lr, coef)
+        grad_shard.zero_()
+
     def _finish_update(self):
         if self.update is not None:
             update = self.update
             self.update = None
-            if (e := update.exception()) is not None:  # (waits for it) an error in its thread: one line, nothing sent
+            # exception() waits for the update; an error in its thread stops the run in one line, nothing sent
+            if (e := update.exception()) is not None:
                 raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".split("\n")[0])
             self._send(slice(None))
-            self.copies.host_waits(self.copies.event())  # for the next forward; before the next update writes staging
+            # for the next forward, and before the next update writes staging
+            self.copies.landed()
     # [/DPU]
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
-        # [Copy stream] every copy queued so far has landed: the gradient shard's too
-        self.copies.host_waits(self.copies.event())
-        # [/Copy stream]
+    # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
+    def grad(self, p):
+        # every copy queued so far has landed: the gradient shard's too
+        self.copies.landed()
         lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
         states = {"params": [self.param_shard], "grads": [self.grad_shard],
                   "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
-        # [Grad acc] --grad_accum > 1: the gradient shard summed on the device
+        # --grad_accum > 1: the gradient shard summed on the device
         if self.grad_acc is not None:
             states["grad_acc"] = [self.grad_acc]
-        # [/Grad acc]
         # [DPU] its second gradient shard
         if self.args.delayed_update:
             states["grads"].append(self.spare_grad_shard)
         # [/DPU]
         return states
 
-    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
+    # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
+    def state_pieces(self):
         # [DPU] the update in flight lands first (a one-step shift)
         self._finish_update()
         # [/DPU]
@@ -407,13 +419,16 @@ class OffloadEngine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
+    # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
+    def _piece_of(self, p):
         b = self.bucket_of[p]
-        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        s = (b.end - b.start) // self.world_size
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
-    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
+    # a checkpoint filled this rank's master and moments: count its steps, update the model
+    def resume(self, step):
         self.optimizer.t = step
         self.param_shard.copy_(self.master)
 

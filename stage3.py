@@ -33,14 +33,10 @@ class Bucket:
         self.grad = None   # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
 
-    def state(self):  # where its full parameters are: "gathering" (an all-gather in flight), "gathered" or "freed"
-        if self.gather is not None:
-            return "gathering"
-        return "gathered" if self.param.untyped_storage().nbytes() else "freed"
-
 class ZeRO3Engine:
     """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
-    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    from_meta = True
 
     @staticmethod
     def add_args(parser):
@@ -49,11 +45,11 @@ class ZeRO3Engine:
     def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = [p for _, p in trained(model)][::-1]  # (stages 0-2's order; here they are ordered by unit below)
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
         unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
-        params = list(unit_of)  # unit by unit (a unit with nothing to train gets no bucket, no hooks)
+        # the trained parameters, unit by unit (a unit with nothing to train gets no bucket and no hooks)
+        params = list(unit_of)
         # [/ZeRO-3]
         self.buckets = [Bucket(0, unit_of[params[0]])]
         self.bucket_of = {}  # parameter -> its bucket
@@ -74,17 +70,20 @@ class ZeRO3Engine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
-                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                # main() builds the model on the meta device: p gets storage, and its values, only now
+                if p.is_meta:
                     torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
                     model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
-            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            # once, before training: every rank starts from rank 0's weights
+            dist.broadcast(b.param, src=0)
             # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
+        # frozen parameters and buffers: rank 0's too; buffers before each forward too
+        share_rank0s(model, args)
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = self.param_shard.to(torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
         # [/ZeRO-1]
@@ -101,10 +100,12 @@ class ZeRO3Engine:
         # [/ZeRO-3]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
+        # True from a backward(loss, sync=True) until the step that uses its gradient
+        self.sync = False
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    def _pad(self, b):  # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
+    # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
+    def _pad(self, b):
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
@@ -112,17 +113,21 @@ class ZeRO3Engine:
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard_range(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    def _shard_range(self, b):
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
-    def _gather(self, b):  # start gathering bucket b's full parameters from every rank's shard (asynchronously)
-        if b.state() == "freed":
+    # start gathering bucket b's full parameters from every rank's shard (asynchronously)
+    def _gather(self, b):
+        # its storage is freed: neither gathered nor being gathered
+        if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
-    def _use(self, b, order):  # b runs next (forward or backward): have its parameters; prefetch the next bucket's
+    # b runs next (forward or backward): have its parameters; prefetch the next bucket's
+    def _use(self, b, order):
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
         # [/Recompute]
@@ -131,7 +136,8 @@ class ZeRO3Engine:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
         if b not in order:
-            order.append(b)  # the first pass records the order; later passes prefetch by it
+            # the first pass records the order; later passes prefetch by it
+            order.append(b)
         self._gather(b)
         self._wait(b)
         # prefetch the next unit in the order, but in backward never one whose backward is over: it would stay gathered
@@ -140,7 +146,7 @@ class ZeRO3Engine:
             self._gather(after[0])
 
     def _wait(self, b):  # b's all-gather in flight, if any, has landed
-        if b.state() == "gathering":
+        if b.gather is not None:
             b.gather.wait()
             b.gather = None
 
@@ -148,12 +154,14 @@ class ZeRO3Engine:
         self._wait(b)
         b.param.untyped_storage().resize_(0)
 
-    def _after_forward(self, b, out):  # free b's parameters; if backward will come, gather them again just before it
+    # free b's parameters; if backward will come, gather them again just before it
+    def _after_forward(self, b, out):
         # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
         # [/Recompute]
-        self._free(b)  # (autograd's saved views of the parameters share its storage: freed too)
+        # autograd's saved views of the parameters share the bucket's storage: they are freed too
+        self._free(b)
         for t in output_tensors(out):
             if t.requires_grad:
                 t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
@@ -177,13 +185,15 @@ class ZeRO3Engine:
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
-            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
+            # by now the previous bucket's reduction is (nearly always) done: release it
+            while self.in_flight:
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
             # [/ZeRO-2]
 
     # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
-    def _release(self, b):  # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
+    # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
+    def _release(self, b):
         b.work.wait()
         self.grad_shard[self._shard_range(b)] += b.reduced
         b.grad = b.reduced = b.work = None
@@ -194,7 +204,8 @@ class ZeRO3Engine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
+        # True on the step's last micro-step: its gradient will be complete, step() may follow
+        self.sync = sync
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
@@ -204,7 +215,8 @@ class ZeRO3Engine:
 
     def step(self, lr):
         require(self.sync, Misuse.NO_BACKWARD)
-        self.sync = False  # this gradient is used up: the next step needs another backward
+        # this gradient is used up: the next step needs another backward
+        self.sync = False
         # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
@@ -214,7 +226,8 @@ class ZeRO3Engine:
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip)
-        if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        if coef is None:
             self._drop_gradient()
             return norm
         self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
@@ -226,11 +239,13 @@ class ZeRO3Engine:
         self._drop_gradient()
         return norm
 
-    def _drop_gradient(self):  # the step used (or skipped) this gradient: the next one starts from zero
+    # the step used (or skipped) this gradient: the next one starts from zero
+    def _drop_gradient(self):
         self.grad_shard.zero_()
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
+    # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
+    def grad(self, p):
         lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
@@ -238,7 +253,8 @@ class ZeRO3Engine:
         return {"params": [self.param_shard], "grads": [self.grad_shard],
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
+    # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
+    def state_pieces(self):
         state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
         pieces = []
         for name, p in trained(self.model):
@@ -247,13 +263,16 @@ class ZeRO3Engine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
+    # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
+    def _piece_of(self, p):
         b = self.bucket_of[p]
-        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        s = (b.end - b.start) // self.world_size
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
-    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
+    # a checkpoint filled this rank's master and moments: count its steps, update the model
+    def resume(self, step):
         self.optimizer.t = step
         self.param_shard.copy_(self.master)
 

@@ -3,8 +3,8 @@ make_lessons.py: the ladder as lessons, one idea each, as diffs a student reads 
 
 Most steps of the ladder are whole files: `diff stage1.py stage2.py` is ZeRO-2. Two files carry more than one idea,
 each fenced as the exercises are (`# [TAG] ...` to `# [/TAG]`): stage3.py holds the recompute that activation
-checkpointing needs ([Recompute]); offload.py the micro-steps' sum in one device buffer ([Grad acc]), the copies on a
-stream of their own ([Copy stream]) and its two options ([ZeRO-3 Offload], [DPU]). Without an idea's
+checkpointing needs ([Recompute]); offload.py the copies on a stream of their own ([Copy stream]) and its two options
+([ZeRO-3 Offload], [DPU]). Without an idea's
 regions such a file still runs, without that idea; each lesson is the diff between two steps:
 
     python course/make_lessons.py                    # writes course/lessons/NN_name.diff, and prints the table
@@ -31,16 +31,13 @@ LESSONS = [
     ("2_zero2", "stage1.py", "stage2.py", "gradients partitioned (ZeRO-2)"),
     ("3_zero3", "stage2.py", "stage3.py - Recompute", "parameters partitioned (ZeRO-3): units gathered, prefetched, freed"),
     ("4_recompute", "stage3.py - Recompute", "stage3.py", "a unit gathered again for its recompute (activation checkpointing)"),
-    ("5_offload", "stage3.py", "offload.py - Grad acc - Copy stream - ZeRO-3 Offload - DPU",
-     "the optimizer on the CPU (ZeRO-Offload): C++ AdamW on host shards, plain copies down and up"),
-    ("6_grad_acc", "offload.py - Grad acc - Copy stream - ZeRO-3 Offload - DPU",
-     "offload.py - Copy stream - ZeRO-3 Offload - DPU",
-     "--grad_accum's micro-steps summed in one device buffer, reduced straight into"),
-    ("7_copy_stream", "offload.py - Copy stream - ZeRO-3 Offload - DPU", "offload.py - ZeRO-3 Offload - DPU",
-     "the copies on a stream of their own, beside compute, joined to it by events"),
-    ("8_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
+    ("5_offload", "stage3.py", "offload.py - Copy stream - ZeRO-3 Offload - DPU",
+     "the optimizer on the CPU (ZeRO-Offload): C++ AdamW on host shards, copies down and up on the compute stream"),
+    ("6_copy_stream", "offload.py - Copy stream - ZeRO-3 Offload - DPU", "offload.py - ZeRO-3 Offload - DPU",
+     "the copies on a stream of their own, beside compute"),
+    ("7_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
      "the parameter shard on the CPU too (--offload_params)"),
-    ("9_delayed_update", "offload.py - DPU", "offload.py", "the CPU update during the next step (--delayed_update)"),
+    ("8_delayed_update", "offload.py - DPU", "offload.py", "the CPU update during the next step (--delayed_update)"),
 ]
 
 

@@ -29,6 +29,8 @@ STAGES = ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py", "offload.py"]
 def pytest_addoption(parser):
     parser.addoption("--stage", action="append", default=[], metavar="FILE",
                      help="a file implementing a stage, to test instead of the repository's stages (repeatable)")
+    parser.addoption("--lesson", default=None, metavar="NAME", help="grade the --stage files as the step after "
+                     "lesson NAME (course/make_lessons.py), with every idea up to it (tests/test_ideas.py)")
     parser.addoption("--torchrun", action="store_true", help="start every multi-rank run under torchrun")
     parser.addoption("--no_fork", action="store_true", help="start every run as a fresh Python process, not forked "
                      "from tests/fork_server.py")

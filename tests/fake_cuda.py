@@ -203,6 +203,7 @@ class FakeCuda(TorchDispatchMode):
                 str(want) if want.type == "cuda" else "pinned" if pin else "cpu"
             if src.startswith("cuda") != dst.startswith("cuda"):
                 seen[f"device-host copies in {flags.phase}"] += bool(flags.phase)
+                seen["device-host copies on another stream"] += current_stream() is not state.compute
                 down, host_end = src.startswith("cuda"), dst if src.startswith("cuda") else src
                 if not (non_blocking and host_end == "pinned"):
                     host_sync(f"{op} {'non_blocking' if non_blocking else 'blocking'} to the "

@@ -70,6 +70,15 @@ SLIPS = {
         "            pass\n",
         ["tests/test_stages.py::test_parity_with_reference[stage2-2]"],
         "stage 2's step never all-gathers the updated shards into the parameters"),
+    "offload_grad_acc_unlisted": (
+        "offload.py", "            states[\"grad_acc\"] = [self.grad_acc]\n", "            pass\n",
+        ["tests/test_course.py::test_every_step_keeps_its_own_ledger[offload.py - Copy stream - ZeRO-3 Offload - DPU-2]"],
+        "offload's model_states() leaves out the device buffer that sums the micro-steps (lesson 5's step file)"),
+    "copy_stream_is_the_compute_stream": (
+        "offload.py", "        self.stream = torch.cuda.Stream(device)\n",
+        "        self.stream = torch.cuda.current_stream(device)\n",
+        ["tests/test_ideas.py::test_the_idea_is_there[offload-Copy_stream]"],
+        "CopyStream queues its copies on the compute stream: no copy stream (graded by idea)"),
     "offload_dropped_weight_decay": (
         "offload.py", "eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)",
         "eps=self.optimizer.eps, weight_decay=0.0, grad_scale=coef)",

@@ -110,3 +110,54 @@ def test_the_steps_between_match_the_reference(runner, reference, tmp_path_facto
     k = first_difference(reference.summary["losses"], run.summary["losses"], LOSS_ATOL)
     assert k is None, f"{where}: loss at step {k}"
     compare_params(reference.master, run.master, where)
+
+
+STEPS = list(dict.fromkeys(s for _, before, after, _ in LESSONS for s in (before, after)))
+
+
+def with_grad_accum(train, grad_accum):
+    """TRAIN with --grad_accum grad_accum instead of its own."""
+    at = train.index("--grad_accum")
+    return [*train[:at + 1], str(grad_accum), *train[at + 2:]]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.parametrize("name", STEPS)
+def test_every_step_keeps_its_own_ledger(runner, tmp_path_factory, name, grad_accum):
+    """Every step of the ladder, the files between two lessons too, is right by the formula it prints: on 2 ranks, at
+    --grad_accum 1 and 2, each memory category it measures and each collective's bytes equal the formula's."""
+    path = tmp_path_factory.mktemp("steps") / file_name(name)
+    path.write_text(step(name))
+    s = runner.run(str(path), 2, *MODEL, *with_grad_accum(TRAIN, grad_accum)).summary
+    where = f"{name} at N=2, --grad_accum {grad_accum}"
+    for category, v in s["model_state_bytes"].items():
+        assert v["measured"] == v["theory"], (
+            f"{where}: this rank holds {v['measured']:,} bytes of {category}, the formula says {v['theory']:,}")
+    for op, v in s["comm_bytes_per_step"]["by_collective"].items():
+        assert v["measured"] == pytest.approx(v["theory"], rel=1e-9, abs=1e-6), (
+            f"{where}: {op} sent {v['measured']:,.0f} bytes per step, the formula says {v['theory']:,.0f}")
+
+
+@pytest.mark.parametrize("lesson", [name for name, *_ in LESSONS])
+def test_every_lesson_is_graded(tmp_path, lesson):
+    """`pytest --stage FILE --lesson NAME` grades FILE as the step after lesson NAME: the step before, which lacks the
+    lesson's idea, fails tests/test_ideas.py's check of that idea, naming it; the step after passes it."""
+    _, before, after, _ = next(row for row in LESSONS if row[0] == lesson)
+    from test_ideas import IDEAS, LESSON_IDEAS
+    idea = IDEAS[LESSON_IDEAS[lesson] - 1]
+    paths = []
+    for name, where in ((before, "before"), (after, "after")):
+        path = tmp_path / where / file_name(name)
+        path.parent.mkdir()
+        path.write_text(step(name))
+        paths.append(path)
+    test = f"{ROOT / 'tests' / 'test_ideas.py'}::test_the_idea_is_there"
+    ids = [f"{test}[{path.stem}-{idea.replace(' ', '_')}]" for path in paths]
+    cmd = [sys.executable, "-m", "pytest", *ids, *[a for p in paths for a in ("--stage", str(p))], "--lesson", lesson,
+           "-q", "-p", "no:cacheprovider", "-rfEs", "--basetemp", str(tmp_path / "pytest")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    out = p.stdout + p.stderr
+    assert f"FAILED {ids[0].removeprefix(str(ROOT) + '/')}" in out, (
+        f"{lesson}: {before}, graded as {after}, did not fail:\n{out[-3000:]}")
+    assert f"[{idea}]" in out, f"{lesson}: the failure does not name [{idea}]:\n{out[-3000:]}"
+    assert "1 failed, 1 passed" in out, f"{lesson}: {after} did not pass its own idea's check:\n{out[-3000:]}"

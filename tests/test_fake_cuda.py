@@ -57,12 +57,17 @@ def test_stage_on_fake_cuda(tmp_path, config, grad_accum, dtype):
             assert seen.get("collectives issued on another stream"), seen
 
 
-def changed(tmp_path, name, pattern, *new):
+def changed(tmp_path, name, pattern, *new, after=None):
     """A copy of stage file `name`, alone in tmp_path (train_gpt and the rest come from the repository on PYTHONPATH),
     with the one line that matches the regular expression `pattern` replaced by the lines `new` (which may name its
-    groups: \\1), indented as it was; (its path, the first new line's number)."""
+    groups: \\1), indented as it was; (its path, the first new line's number). With `after` (a pattern of one line), the
+    first line matching `pattern` below that line."""
     lines = (ROOT / name).read_text().splitlines(keepends=True)
     at = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+    if after is not None:
+        start = [i for i, line in enumerate(lines) if re.search(after, line)]
+        assert len(start) == 1, f"{name}: {len(start)} lines match {after!r}"
+        at = [i for i in at if i > start[0]][:1]
     assert len(at) == 1, f"{name}: {len(at)} lines match {pattern!r}: this test's mistake needs another line to go in"
     indent, match = re.match(r"\s*", lines[at[0]]).group(), re.search(pattern, lines[at[0]])
     lines[at[0]:at[0] + 1] = [indent + match.expand(line) + "\n" for line in new]
@@ -126,7 +131,7 @@ def test_parameters_come_up_beside_forward(tmp_path):
     """--offload_params: the compute stream waiting for the parameter shard's copy up (as the all-gather must) would
     serialise them; the audit records that wait, so the clean run's check above can fail."""
     script, _ = changed(tmp_path, "offload.py", r"(self\.copies\.copy\(shard, .*\))",
-                        r"\1", "self.copies.compute_waits(self.copies.event())")
+                        r"\1", "torch.cuda.current_stream().wait_stream(self.copies.stream)")
     job, reports = audit(tmp_path, script, "--offload_params", nproc=1)
     assert job.returncode == 0 and reports[0]["seen"].get("compute waits for another stream in forward"), output(job)
 

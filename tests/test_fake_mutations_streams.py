@@ -5,11 +5,10 @@ the line where the unordered access (or the mismatched collective, or the free) 
     planted (offload.py unless named)                          caught by
     Copies.copy without wait_stream                            the copy reads the reduce-scatter's output unordered
     Copies.copy without record_stream                          the device buffer freed while the copy stream reads it
-    compute_waits without wait_event (the update's copies up)  the next all-gather reads parameters the copy writes
-      (step without its one compute_waits call: the same mistake)
-    step without the host's wait for the gradients' event      the host reads the pinned gradient shard unordered
-      (Copies.host_waits without event.synchronize(): the same, found at the same line first)
-    --delayed_update without the wait after the copies up      the next update (its thread) rewrites staging under
+    step without its landed() after the copies up              the next all-gather reads parameters the copy writes
+    step without landed() before it reads the gradients        the host reads the pinned gradient shard unordered
+      (Copies.landed without stream.synchronize(): the same, found at the same line first)
+    --delayed_update without the landed() after the copies up  the next update (its thread) rewrites staging under
                                                                  the copy
     _use without b.gather.wait()                               forward reads parameters the all-gather writes
     _release without b.work.wait()                             the copy reads the reduce-scatter's output unordered
@@ -53,20 +52,20 @@ BATTERY = {
         flags=[], nproc=1,
         at=r"b\.grad = b\.reduced = b\.work = None",
         says=rf"stream order: memory freed: {COPY_STREAM} may still use it \(aten\.copy_ {COPY}\)"),
-    "missing_wait_event": dict(  # 2 steps: the memory meter around step 1 must not order the streams across it
-        file="offload.py", line=r"torch\.cuda\.current_stream\(\)\.wait_event\(event\)", new=["pass  # no wait_event"],
-        flags=["--steps", "2"], nproc=1,
+    "params_not_landed": dict(  # 2 steps: the memory meter around step 1 must not order the streams across it
+        file="offload.py", line=r"^\s*self\.copies\.landed\(\)$", after=r"the new parameters have landed before",
+        new=["pass  # no landed()"], flags=["--steps", "2"], nproc=1,
         at=r"b\.gather = comm\.all_gather\(b\.param, self\.param_shard",
         says=rf"stream order: c10d all_gather\w* on the nccl stream: touches memory that {COPY_STREAM} wrote in "
              rf"aten\.copy_ {COPY}"),
-    "host_reads_pinned_before_event": dict(
-        file="offload.py", line=r"self\.copies\.host_waits\(self\.grads_on_host\)", new=["pass  # no host_waits"],
-        flags=[], nproc=1,
+    "host_reads_pinned_before_landed": dict(
+        file="offload.py", line=r"^\s*self\.copies\.landed\(\)$", after=r"\[Offload\] wait for the gradients",
+        new=["pass  # no landed()"], flags=[], nproc=1,
         at=r"self\.adam\.adam_step\(self\.master",
         says=rf"stream order: cpu_adam\.adam_step on the host: touches memory that {COPY_STREAM} wrote in aten\.copy_"),
     "staging_reused_under_its_copy": dict(
-        file="offload.py", line=r"self\.copies\.host_waits\(self\.copies\.event\(\)\)  # for the next forward",
-        new=["pass  # no host_waits"], flags=["--delayed_update"], nproc=1,
+        file="offload.py", line=r"^\s*self\.copies\.landed\(\)$", after=r"for the next forward, and before the next",
+        new=["pass  # no landed()"], flags=["--delayed_update"], nproc=1,
         at=r"self\.adam\.adam_step\(self\.master",
         says=rf"stream order: cpu_adam\.adam_step on the host thread \S+: touches memory that {COPY_STREAM} reads in "
              rf"aten\.copy_"),
@@ -129,7 +128,7 @@ BATTERY = {
         says=rf"stream order: Tensor\.tolist on the host: touches memory that {COPY_STREAM} wrote in "
              rf"aten\.copy_ {COPY}"),
     "numpy_before_the_wait": dict(
-        file="offload.py", line=r"(self\.copies\.host_waits\(self\.grads_on_host\))",
+        file="offload.py", line=r"(self\.copies\.landed\(\))", after=r"\[Offload\] wait for the gradients",
         new=["self.largest_grad = self.grad_shard.numpy().max()  # (planted: a look before the wait)", r"\1"],
         flags=[], nproc=1,
         at=r"self\.largest_grad = ",
@@ -163,7 +162,7 @@ BATTERY = {
 @pytest.mark.parametrize("mistake", list(BATTERY))
 def test_planted_stream_mistake_is_refused(tmp_path, mistake):
     m = BATTERY[mistake]
-    script, planted = changed(tmp_path, m["file"], m["line"], *m["new"])
+    script, planted = changed(tmp_path, m["file"], m["line"], *m["new"], after=m.get("after"))
     at_file = m.get("at_file", m["file"])  # where the finding is: the changed file, or one it calls
     text = script.read_text() if at_file == m["file"] else (ROOT / at_file).read_text()
     at = []  # the line the finding names; for a race with a thread, either of its lines (whichever ran second)

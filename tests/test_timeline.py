@@ -112,9 +112,9 @@ def test_tracing_changes_no_number(timeline, runner):
 
 
 def test_compute_waiting_for_copies_is_a_wait(timeline):
-    """offload's compute stream waits for the copies of new parameters (Copies.compute_waits) before the next forward:
-    that time is drawn as "wait copies", outside compute, so a copy the compute stream stood still for never reads as
-    overlapped."""
+    """offload's host waits for the copies (Copies.landed), of the gradients before the step and of the new
+    parameters before the next forward: that time is drawn as "wait copies", outside compute, so a copy compute stood
+    still for never reads as overlapped."""
     _, trace, _ = timeline("offload.py")
     for rank in (0, 1):
         waits = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == rank and e["name"] == "wait copies"]
