@@ -1,7 +1,7 @@
 """
 instruments.py: the ledgers and meters every stage is measured with, shared so that the stage files read as the
-algorithm: the bytes each collective sends (`comm`), the bytes of the tensors an engine holds, the peak of live
-tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
+algorithm: the bytes of the tensors an engine holds and of every live tensor (comm.py counts the bytes each
+collective sends), the peak of live tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
 a timeline of one step (--timeline DIR, for bench/timeline.py), a torch.profiler trace of one (--profile DIR), the
 validation loss, the progress shown, and the end of a run (finish: the report, the files asked for, the exit).
 A Run (train_gpt.main's `run`) is a training run's bookkeeping: it applies these to the steps main's loop takes, and
@@ -15,86 +15,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from checkpoint import checkpoint_due, gather_master, tied_names
+from comm import comm
 from devices import everyone, stop
 
 def pinned_bytes(nbytes):
     """What PyTorch's pinned-memory cache (CachingHostAllocator) takes for a pinned allocation of nbytes: rounded up to
     the next power of two (and kept for reuse once freed). Pageable memory is not rounded."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
-
-class CommLedger:
-    """The collectives the stages call, each counting the bytes this rank sends (ring algorithm), and timed when a
-    Timeline is attached (--timeline: one step's timeline)."""
-    def __init__(self):
-        self.sent = defaultdict(float)
-        self.calls = defaultdict(int)  # collectives called through the ledger, by name
-        self.timeline = None
-        self.taken = {}  # the counts at the last take(), the ledger's calls and the process group's beside its bytes
-
-    def begin_step(self):
-        """A step begins: every count starts from zero, the ledger's and, where it is counted, the process group's."""
-        self.sent.clear()
-        self.calls.clear()
-        for counts in self._process_group():
-            counts.clear()
-
-    def _process_group(self):
-        """The process group's own counts (bytes, calls) by collective, where the runs keep them (the tests'
-        tests/count_collectives wraps torch.distributed's collectives: every call, whoever makes it); else none."""
-        seen = getattr(dist, "sent_at_process_group", None)
-        return [seen, dist.calls_at_process_group] if seen is not None else []
-
-    def take(self):
-        """What the step has sent so far, the ledger's bytes by collective (train_step returns them); self.taken keeps
-        the ledger's calls, and the process group's bytes and calls where they are counted, taken at the same moment."""
-        counts = [dict(c) for c in self._process_group()]
-        seen = dict(sent=counts[0], calls=counts[1]) if counts else None
-        self.taken = dict(calls=dict(self.calls), process_group=seen)
-        return dict(self.sent)
-
-    def _ring(self):
-        n = dist.get_world_size()
-        return (n - 1) / n
-
-    def _call(self, name, fn, *args, **kwargs):
-        if self.timeline is None:
-            return fn(*args, **kwargs)
-        return self.timeline.collective(name, lambda: fn(*args, **kwargs), args, kwargs["async_op"])
-
-    def _average_first(self, t, op):
-        """gloo's AVG sums, then divides: in fp16, the sum of N ranks' loss-scaled gradients can overflow where their
-        average would not. NCCL's AVG multiplies each rank's part by 1/N before the sum (ncclAvg is its PreMulSum for
-        floating-point types), and so does this, for fp16 on gloo: t, the engine's buffer that the collective spends,
-        is divided in place, then summed. (Elsewhere, and in bf16 and fp32, `op` stays as it is.)"""
-        if op == dist.ReduceOp.AVG and t.dtype == torch.float16 and dist.get_backend() == "gloo":
-            t.div_(dist.get_world_size())
-            return dist.ReduceOp.SUM
-        return op
-
-    def all_reduce(self, t, op, async_op=False):
-        self.calls["all_reduce"] += 1
-        self.sent["all_reduce"] += 2 * t.numel() * t.element_size() * self._ring()
-        op = self._average_first(t, op)
-        return self._call("all_reduce", dist.all_reduce, t, op=op, async_op=async_op)
-
-    def reduce_scatter(self, out, inp, op, async_op=False):
-        self.calls["reduce_scatter"] += 1
-        self.sent["reduce_scatter"] += inp.numel() * inp.element_size() * self._ring()
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        op = self._average_first(inp, op)
-        return self._call("reduce_scatter", fn, out, inp, op=op, async_op=async_op)
-
-    def broadcast(self, t, src):  # (a model's buffers, before each forward: the GPT has none)
-        self.sent["broadcast"] += t.numel() * t.element_size() * self._ring()
-        return self._call("broadcast", dist.broadcast, t, src=src, async_op=False)
-
-    def all_gather(self, out, inp, async_op=False):
-        self.calls["all_gather"] += 1
-        self.sent["all_gather"] += out.numel() * out.element_size() * self._ring()
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return self._call("all_gather", fn, out, inp, async_op=async_op)
-
-comm = CommLedger()
 
 def without(label, a, b, holes):
     """What is left of [a, b) outside `holes` (sorted (start, end) pairs), as (label, start, end) pieces."""
@@ -313,18 +240,23 @@ class Timeline:
             span[2] = self.now(stream)
         return enter, leave
 
-    def collective(self, name, call, tensors, async_op):
-        """Issue a collective (call()); return its handle, whose wait() is timed."""
+    def issue(self, name, tensors):
+        """A collective (comm's) is about to be issued: its record, None when the timeline is off."""
         if not self.on:
-            return call()
+            return None
         mib = max(t.numel() * t.element_size() for t in tensors) / 2**20
-        called = time.perf_counter()
-        c = {"name": name, "issued": self.now(), "ends": [], "MiB": mib}
+        c = {"name": name, "issued": self.now(), "ends": [], "MiB": mib, "called": time.perf_counter()}
         self.collectives.append(c)
-        work = call()
+        return c
+
+    def issued(self, c, work, async_op):
+        """The collective of record c has been issued: its handle, whose wait() is timed."""
+        if c is None:
+            return work
+        name = c["name"]
         if not async_op:  # the caller waited all along
             c["ends"].append(self.now())
-        self.calls.append((f"{'issue' if async_op else 'wait'} {name}", called, time.perf_counter()))
+        self.calls.append((f"{'issue' if async_op else 'wait'} {name}", c["called"], time.perf_counter()))
         if not async_op:
             return work
         try:
@@ -656,7 +588,7 @@ class Run:
         self.engine = engine
         self.data = data
         self.th = th  # what the paper's model says this run holds and sends (train_gpt.theory)
-        self.scaler = scaler  # fp16's loss scaler (train_gpt.scaler): the log shows its scale and skipped steps
+        self.scaler = scaler  # fp16's loss scaler (main's, a train_gpt.LossScaler): the log shows its scale and skipped steps
         self.device = device
         self.rank = rank
         self.world_size = world_size

@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.utils.cpp_extension
 
 from devices import build_cpu_adam, cpu_adam_flags, cpu_adam_isa, cpu_adam_source, set_cpu_adam_threads
-from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s,
+from comm import comm
+from train_gpt import (AdamW, Misuse, clip_coef, main, output_tensors, require, share_rank0s,
                        trained, units_of)
 
 def load_cpu_adam(isa=None, announce=False, spare=0):
@@ -304,7 +305,7 @@ class OffloadEngine:
             self.grads_on_host = self.copies.event()
         # [/Copy stream]
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
@@ -319,7 +320,7 @@ class OffloadEngine:
         norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64, device=self.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
             self._drop_gradient()
             return norm

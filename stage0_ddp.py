@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, share_rank0s, sum_of_squares, trained
+from comm import comm
+from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both."""
@@ -100,12 +101,12 @@ class DDPEngine:
                 b.work.wait()
     # [/DDP]
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         norm = sum(sum_of_squares(b.grad) for b in self.buckets)  # every rank holds the whole averaged gradient
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
             self._drop_gradient()
             return norm

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, share_rank0s, sum_of_squares, trained
+from comm import comm
+from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
@@ -115,14 +116,14 @@ class ZeRO1Engine:
             for b in self.buckets:
                 b.work.wait()
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
             self._drop_gradient()
             return norm

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s, sum_of_squares,
+from comm import comm
+from train_gpt import (AdamW, Misuse, clip_coef, main, output_tensors, require, share_rank0s, sum_of_squares,
                        trained, units_of)
 
 class Bucket:
@@ -202,7 +203,7 @@ class ZeRO3Engine:
         while self.in_flight:
             self._release(self.in_flight.pop())
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False  # this gradient is used up: the next step needs another backward
         # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
@@ -213,7 +214,7 @@ class ZeRO3Engine:
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)  # this rank's shard
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
         if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
             self._drop_gradient()
             return norm

@@ -122,7 +122,7 @@ def test_every_collective_goes_through_the_ledger(runner, stage_file, nproc):
         got = seen["calls"].get(op, 0)
         want = comm["calls"].get(op, 0)
         assert got == want, (f"{where}: the process group saw {got} call(s) of {op} in the measured step, the ledger "
-                             f"{want}: a collective called outside instruments.comm (on torch.distributed directly?)")
+                             f"{want}: a collective called outside comm.py (on torch.distributed directly?)")
     for op in sorted(set(seen["sent"]) | set(ledger)):
         got = seen["sent"].get(op, 0.0)
         want = ledger.get(op, 0.0)
