@@ -7,7 +7,7 @@ validation loss, the progress shown, and the end of a run (finish: the report, t
 A Run (train_gpt.main's `run`) is a training run's bookkeeping: it applies these to the steps main's loop takes, and
 holds what summarize and finish report.
 """
-import contextlib, gc, json, math, os, sys, tempfile, time, warnings
+import contextlib, gc, json, math, os, sys, tempfile, textwrap, time, warnings
 from collections import defaultdict
 
 import torch
@@ -439,20 +439,74 @@ def native_stderr_without(patterns):
         sys.stderr.write("".join(ln for ln in lines if not any(p in ln for p in patterns)))
         sys.stderr.flush()
 
-def holdings(model_states, data, device):
-    """What this rank holds, in bytes: its model states by category, and, on a GPU, where each category's tensors are
-    ("device", "host", or "device and host"; on a CPU device and host are one memory: no word); every other tensor on
-    the device (all live ones less the states and the data set there: buffers in flight, leaks); pinned host memory
-    (with CUDA): the live pinned storages, each rounded up to a power of two as PyTorch's pinned-memory cache takes
-    it. (The cache's own counter, torch.cuda.host_memory_stats, also holds the blocks each batch was pinned in, freed
-    or still in flight, and cached blocks.)"""
-    on_device = [t for t in sum(model_states.values(), []) + data if t.device.type == device.type]
+def holdings(engine, data, batch, device):
+    """What this rank holds, in bytes, found two ways. From the engine's own list (model_states()): its model states by
+    category, and, on a GPU, where each category's tensors are ("device", "host", or "device and host"; on a CPU
+    device and host are one memory: no word). Independently of that list: `live`, every tensor on the device that
+    Python can reach (a walk of the garbage collector's objects), less the data set (`data`, its own figure); and
+    `other` = live - the states on the device, named where it can be (`named`): the micro-batch (`batch`, train_step's
+    x and y), the tensors the engine's attributes hold beyond its list (unlisted), and the rest (scalars, buffers in
+    flight, leaks). Pinned host memory (with CUDA): the live pinned storages, each rounded up to a power of two as
+    PyTorch's pinned-memory cache takes it. (The cache's own counter, torch.cuda.host_memory_stats, also holds the
+    blocks each batch was pinned in, freed or still in flight, and cached blocks.)"""
+    model_states = engine.model_states()
+    listed = sum(model_states.values(), [])
+    on_device = [t for t in listed if t.device.type == device.type]
     places = {k: {"device" if t.device.type == device.type else "host" for t in v} for k, v in model_states.items()}
     where = {k: " and ".join(sorted(p)) or None for k, p in places.items()}
+    data_bytes = storage_bytes(t for t in data if t.device.type == device.type)
+    live = live_tensor_bytes(device) - data_bytes
+    other = live - storage_bytes(on_device)
+    named = {"the micro-batch": storage_bytes(t for t in batch if t.device.type == device.type)}
+    named.update(unlisted(engine, listed + data + batch, device))
+    named["the rest"] = other - sum(named.values())
     return dict(states={k: storage_bytes(v) for k, v in model_states.items()},
                 where=where if device.type != "cpu" else {},
-                other=live_tensor_bytes(device) - storage_bytes(on_device),
+                live=live, data=data_bytes, other=other, named=named,
                 pinned=pinned_tensor_bytes() if device.type == "cuda" else 0)
+
+def own_class(obj):
+    """Whether obj is an instance of a class defined in this project's files (or in the script run as __main__)."""
+    module = sys.modules.get(type(obj).__module__)
+    path = getattr(module, "__file__", None) or ""
+    return type(obj).__module__ == "__main__" or os.path.dirname(os.path.abspath(path)) == os.path.dirname(__file__)
+
+def unlisted(engine, listed, device, depth=4):
+    """The device tensors the engine's attributes hold beyond `listed`, in bytes by attribute path (`buckets[*].reduced`:
+    that attribute of the buckets): a walk from the engine through lists, tuples, dicts and the objects of this
+    project's classes (own_class: buckets, optimizers, copies), not into modules (the model's parameters are in the
+    engine's list, or views of it). Each storage counts once, under the first path that reaches it."""
+    seen = {(t.untyped_storage().data_ptr(), t.device) for t in listed if on_device(t, device)}
+    found = defaultdict(int)
+
+    def visit(obj, path, depth):
+        if isinstance(obj, torch.Tensor):
+            if not on_device(obj, device):
+                return
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass with no storage of its own (DTensor)
+                return
+            if (storage.data_ptr(), obj.device) not in seen:
+                seen.add((storage.data_ptr(), obj.device))
+                found[path] += storage.nbytes()
+            return
+        if depth == 0 or isinstance(obj, nn.Module):
+            return
+        if isinstance(obj, (list, tuple)):
+            children = [(f"{path}[*]", x) for x in obj]
+        elif isinstance(obj, dict):
+            children = [(f"{path}[*]", x) for x in obj.values()]
+        elif hasattr(obj, "__dict__") and own_class(obj):
+            children = [(f"{path}.{name}", x) for name, x in vars(obj).items()]
+        else:
+            return
+        for child_path, child in children:
+            visit(child, child_path, depth - 1)
+
+    for name, value in vars(engine).items():
+        visit(value, name, depth)
+    return {path: n for path, n in found.items() if n}
 
 def pinned_tensor_bytes():
     """Pinned host memory that live tensors hold: each distinct pinned storage, rounded up to a power of two."""
@@ -524,22 +578,53 @@ def timeline(trace_dir, rank, device):
     os.makedirs(trace_dir, exist_ok=True)
     prof.export_chrome_trace(os.path.join(trace_dir, f"rank{rank}.json"))
 
-def memory_table(title, per_rank, peaks, theory, host, sent, sent_theory):
-    """What a run ends with: each rank's model states by category beside the formula, its peak, and the bytes it sent
-    per step beside the formula. Ranks that hold the same bytes share a row."""
-    mib = lambda b: f"{b / 2**20:9.2f}"
+def mib(nbytes):
+    """Bytes as MiB in a table's cell."""
+    return f"{nbytes / 2**20:9.2f}"
+
+def amount(nbytes):
+    """Bytes as MiB in a sentence; below 0.01 MiB (the norm's scalar), as bytes."""
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 0.005 * 2**20 or nbytes == 0 else f"{nbytes:,.0f} bytes"
+
+def comm_moves(stage):
+    """What each collective of a stage moves, as the bytes line of a run's table says it."""
+    gathered = "the updated parameters" if stage in ("stage1", "stage2") else "the parameters, in forward and backward"
+    return {"all_reduce": "the gradients" if stage == "stage0" else "the gradient norm: one float64 scalar",
+            "reduce_scatter": "the gradients", "all_gather": gathered, "broadcast": "the model's buffers"}
+
+def memory_table(s, th):
+    """What a run ends with: each rank's model states by category beside the formula (the engine's list), then found
+    without that list, every live tensor on the device and the part of it that is not model states (`other`, named
+    below the table), its peak; and the bytes it sent per step beside the formula, each collective with what it moves.
+    Ranks that hold the same states share a row (the highest live, other and peak of them)."""
+    theory = th["states"]
     cats = list(theory)
-    lines = [f"memory per rank, MiB ({title}; measured on step 1; " + (f"host: {', '.join(host)}" if host else "all on the device") + ")",
-             f"{'rank':>8} |" + "".join(f"{c:>9} |" for c in cats) + f"{'states':>9} |{'peak':>9}"]
-    rows = [(str(r), s, p) for r, s, p in zip(range(len(per_rank)), per_rank, peaks)]
-    if len(rows) > 1 and all(s == per_rank[0] for s in per_rank):
-        rows = [(f"0-{len(rows) - 1}", per_rank[0], max(peaks))]  # all ranks equal: one row, the highest peak
-    for name, states, peak in rows:
+    per_rank = s["model_state_bytes_per_rank"]
+    columns = list(zip(per_rank, s["live_tensor_bytes_per_rank"], s["other_tensor_bytes_per_rank"],
+                       s["peak_memory_bytes_per_rank"]))
+    rows = [(str(r), *column) for r, column in enumerate(columns)]
+    if len(rows) > 1 and all(states == per_rank[0] for states in per_rank):
+        rows = [(f"0-{len(rows) - 1}", per_rank[0], *[max(values) for values in list(zip(*columns))[1:]])]
+    where = f"host: {', '.join(th['host'])}" if th["host"] else "all on the device"
+    lines = [f"memory per rank, MiB ({s['stage']}, {s['dtype']}, {th['formula']}; measured on step 1; {where})",
+             f"{'rank':>8} |" + "".join(f"{c:>9} |" for c in cats)
+             + "".join(f"{c:>9} |" for c in ("states", "live", "other")) + f"{'peak':>9}"]
+    for name, states, live, other, peak in rows:
         lines.append(f"{name:>8} |" + "".join(f"{mib(states.get(c, 0))} |" for c in cats)
-                     + f"{mib(sum(states.values()))} |{mib(peak)}")
+                     + f"{mib(sum(states.values()))} |{mib(live)} |{mib(other)} |{mib(peak)}")
     lines.append(f"{'formula':>8} |" + "".join(f"{mib(theory[c])} |" for c in cats) + f"{mib(sum(theory.values()))} |")
-    lines.append(f"sent per step {sum(sent.values()) / 2**20:.2f} MiB (formula {sum(sent_theory.values()) / 2**20:.2f}): "
-                 + (", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(sent.items())) or "nothing"))
+    sent = {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items() if v["measured"]}
+    moves = comm_moves(s["stage"])
+    each = ", ".join(f"{k} {amount(v)} ({moves.get(k, 'not in the formula')})"
+                     for k, v in sorted(sent.items(), key=lambda kv: -kv[1]))
+    total = f"sent per step {sum(sent.values()) / 2**20:.2f} MiB (formula {sum(th['comm'].values()) / 2**20:.2f})"
+    lines += textwrap.wrap(f"{total}: {each or 'nothing'}", 120)
+    named = ", ".join(f"{'engine.' * (k not in ('the micro-batch', 'the rest'))}{k} {amount(v)}"
+                      for k, v in s["other_named"].items() if v or k == "the micro-batch")
+    note = (f"other = live - states, on rank 0: {named}. live: every tensor on the device that the garbage collector "
+            f"finds (not the engine's list) after the last backward, less the data set ({amount(s['data_bytes'])}); "
+            f"the peak adds the step's activations and working set")
+    lines += textwrap.wrap(note, 120)
     return "\n".join(lines)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -711,7 +796,9 @@ def summarize(run):
     measured = run.measured
     history = run.history
     timed = sorted(run.step_times[1:] or run.step_times)  # the first step warms up
-    states, sent, ranks = measured["states"], measured["sent"], everyone((measured["states"], measured["peak"]))
+    states = measured["states"]
+    sent = measured["sent"]
+    ranks = everyone((measured["states"], measured["peak"], measured["live"], measured["other"]))
     where = measured.get("where")  # measured on a GPU; on a CPU, the plan's (th["host"])
     return dict(stage=run.stage, world_size=run.world_size,
                 n_params=sum(p.numel() for p in run.engine.model.parameters()),
@@ -719,13 +806,15 @@ def summarize(run):
                 args=vars(args), **history, val_loss=history["val_losses"][-1][1] if history["val_losses"] else None,
                 steps_done=run.end, resumed_from=run.start, unigram_loss=run.data.unigram_loss,
                 tokens_per_s=args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0,
-                peak_memory_bytes=measured["peak"], other_tensor_bytes=measured["other"],
+                peak_memory_bytes=measured["peak"], live_tensor_bytes=measured["live"], data_bytes=measured["data"],
+                other_tensor_bytes=measured["other"], other_named=measured["named"],
                 workspace_bytes=measured.get("workspace", 0),
                 pinned_host_bytes={"measured": measured["pinned"], "theory": th["pinned"]},
                 model_state_bytes={k: {"measured": states.get(k, 0), "theory": v,  # where: its tensors' device (GPU)
                                        "where": where.get(k) if where else "host" if k in th["host"] else "device"}
                                    for k, v in th["states"].items()},
-                model_state_bytes_per_rank=[s for s, _ in ranks], peak_memory_bytes_per_rank=[p for _, p in ranks],
+                model_state_bytes_per_rank=[r[0] for r in ranks], peak_memory_bytes_per_rank=[r[1] for r in ranks],
+                live_tensor_bytes_per_rank=[r[2] for r in ranks], other_tensor_bytes_per_rank=[r[3] for r in ranks],
                 activation_checkpoints=activation_checkpoints(args, cfg, run.world_size),
                 comm_bytes_per_step={"measured": sum(sent.values()), "theory": sum(th["comm"].values()),
                                      "by_collective": {k: {"measured": sent.get(k, 0.0),
@@ -753,9 +842,7 @@ def report(summary, th):
     k = scaler.get("skipped", 0)
     print(f"{s['stage']}: val loss {val} (unigram {s['unigram_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s"
           + (f"; fp16 loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if scaler.get("enabled") else ""))
-    print(memory_table(f"{s['stage']}, {s['dtype']}, {th['formula']}", s["model_state_bytes_per_rank"],
-                       s["peak_memory_bytes_per_rank"], th["states"], th["host"],
-                       {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items()}, th["comm"]))
+    print(memory_table(s, th))
     if s.get("activation_checkpoints"):
         a = s["activation_checkpoints"]
         print(f"activations checkpointed: each of the {a['blocks']} blocks keeps only its input for backward "

@@ -432,7 +432,7 @@ def theory(stage, padded_numel, world_size, dtype, args, device):
                 pinned=pinned_theory(stage, padded_numel, world_size, param_bytes, offload_params, grad_shards == 2)
                 if device.type == "cuda" else 0)  # nothing is pinned without CUDA
 
-def train_step(engine, data, args, step, device, scaler=NO_SCALING, measured=None):
+def train_step(engine, data, args, step, device, *, scaler=NO_SCALING, measured=None):
     """One optimizer step over the global batch; rank r takes slice (k*N + r) at micro-step k. With `measured`, also
     record there what this rank holds when the optimizer runs: the paper's model states, and everything else. The loss
     and the gradient norm come back as tensors on the device: reading them would make the host wait for the GPU, and
@@ -449,7 +449,7 @@ def train_step(engine, data, args, step, device, scaler=NO_SCALING, measured=Non
             engine.backward(loss / args.grad_accum * scale, sync=(k == args.grad_accum - 1))
         loss_sum += loss.detach().float() / args.grad_accum
     if measured is not None:
-        measured.update(holdings(engine.model_states(), [data.train, data.val], device))
+        measured.update(holdings(engine, [data.train, data.val], [x, y], device))
     with torch.profiler.record_function("step"):
         grad_norm = engine.step(lr_at(step, args), scaler).double() / scale  # the true gradient's (non-finite: skipped)
     sent = comm.take()

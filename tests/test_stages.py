@@ -200,14 +200,20 @@ main(Leaky, stage="stage1")
 
 def test_other_bound_fails_a_stage_that_keeps_a_copy(runner, tmp_path, request):
     """The positive control of test_freed_what_the_stage_promises: stage 1 with a whole fp32 copy of its parameters
-    kept outside model_states() (4Ψ more per rank) exceeds the bound."""
+    kept outside model_states() (4Ψ more per rank) exceeds the bound; and the table the run ends with shows it without
+    the engine's word: `other` counts its bytes, and names the attribute that holds them (engine.copy)."""
     if request.config.getoption("stage"):
         pytest.skip("a control on the repository's stage 1")
     leaky = tmp_path / "leaky_stage1.py"
     leaky.write_text(LEAKY_STAGE1)
-    s = runner.run(str(leaky), 2, *MODEL, *TRAIN, *BUCKETS).summary
+    run = runner.run(str(leaky), 2, *MODEL, *TRAIN, *BUCKETS)
+    s = run.summary
     assert check_other(s) is not None, (f"a stage 1 that keeps a whole fp32 copy holds {s['other_tensor_bytes']:,} "
                                         f"bytes beyond its states, within the bound {other_allowed(s):,}")
+    copy = s["padded_numel"] * 4
+    assert s["other_named"].get("copy") == copy, f"the copy ({copy:,} bytes) is not named in {s['other_named']}"
+    assert s["live_tensor_bytes"] >= sum(v["measured"] for v in s["model_state_bytes"].values()) + copy, s
+    assert f"engine.copy {copy / 2**20:.2f} MiB" in " ".join(run.stdout.split()), run.stdout
 
 
 def test_peak_memory_falls_stage_by_stage(runner, request):
