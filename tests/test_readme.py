@@ -16,16 +16,18 @@ LESSON_LIMITS = {"1_zero1": (55, 60), "2_zero2": (45, 40), "3_zero3": (80, 60), 
                  "9_delayed_update": (30, 25)}  # offload's ideas: at most 60 code lines each
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
 MOST_LINES = {"train_gpt.py": 530, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 300,
-              "offload.py": 425}
+              "offload.py": 445}
 WIDTH = 120
 
 
 def test_lesson_table_matches_the_files():
     """README's table of lessons is what course/make_lessons.py counts in the files as they are, row for row."""
-    rows = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| `") and ".diff`" in ln]
+    rows = [ln for ln in (ROOT / "README.md").read_text().splitlines() if re.match(r"\| `\d+_\w+` \|", ln)]
     expected = [ln for ln in table().splitlines() if ln.startswith("| `")]
     assert rows == expected, ("README's table of lessons differs from the files; paste `python course/make_lessons.py`'s "
                               "table:\n" + "\n".join(expected))
+    wide = [row for row in rows if len(row) > WIDTH]
+    assert not wide, f"rows of README's table of lessons wider than {WIDTH} columns (shorten the idea):\n" + "\n".join(wide)
 
 
 @pytest.mark.parametrize("name, before, after", [lesson[:3] for lesson in LESSONS], ids=[n for n, *_ in LESSONS])
