@@ -1,13 +1,13 @@
 """
 instruments.py: the ledgers and meters every stage is measured with, shared so that the stage files read as the
-algorithm: the bytes each collective sends (`comm`), the bytes of the tensors an engine holds, the peak of live
-tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
+algorithm: the bytes of the tensors an engine holds and of every live tensor (comm.py counts the bytes each
+collective sends), the peak of live tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
 a timeline of one step (--timeline DIR, for bench/timeline.py), a torch.profiler trace of one (--profile DIR), the
 validation loss, the progress shown, and the end of a run (finish: the report, the files asked for, the exit).
 A Run (train_gpt.main's `run`) is a training run's bookkeeping: it applies these to the steps main's loop takes, and
 holds what summarize and finish report.
 """
-import contextlib, gc, json, math, os, sys, tempfile, time, warnings
+import contextlib, gc, json, math, os, sys, tempfile, textwrap, time, warnings
 from collections import defaultdict
 
 import torch
@@ -15,86 +15,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from checkpoint import checkpoint_due, gather_master, tied_names
+from comm import comm
 from devices import everyone, stop
 
 def pinned_bytes(nbytes):
     """What PyTorch's pinned-memory cache (CachingHostAllocator) takes for a pinned allocation of nbytes: rounded up to
     the next power of two (and kept for reuse once freed). Pageable memory is not rounded."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
-
-class CommLedger:
-    """The collectives the stages call, each counting the bytes this rank sends (ring algorithm), and timed when a
-    Timeline is attached (--timeline: one step's timeline)."""
-    def __init__(self):
-        self.sent = defaultdict(float)
-        self.calls = defaultdict(int)  # collectives called through the ledger, by name
-        self.timeline = None
-        self.taken = {}  # the counts at the last take(), the ledger's calls and the process group's beside its bytes
-
-    def begin_step(self):
-        """A step begins: every count starts from zero, the ledger's and, where it is counted, the process group's."""
-        self.sent.clear()
-        self.calls.clear()
-        for counts in self._process_group():
-            counts.clear()
-
-    def _process_group(self):
-        """The process group's own counts (bytes, calls) by collective, where the runs keep them (the tests'
-        tests/count_collectives wraps torch.distributed's collectives: every call, whoever makes it); else none."""
-        seen = getattr(dist, "sent_at_process_group", None)
-        return [seen, dist.calls_at_process_group] if seen is not None else []
-
-    def take(self):
-        """What the step has sent so far, the ledger's bytes by collective (train_step returns them); self.taken keeps
-        the ledger's calls, and the process group's bytes and calls where they are counted, taken at the same moment."""
-        counts = [dict(c) for c in self._process_group()]
-        seen = dict(sent=counts[0], calls=counts[1]) if counts else None
-        self.taken = dict(calls=dict(self.calls), process_group=seen)
-        return dict(self.sent)
-
-    def _ring(self):
-        n = dist.get_world_size()
-        return (n - 1) / n
-
-    def _call(self, name, fn, *args, **kwargs):
-        if self.timeline is None:
-            return fn(*args, **kwargs)
-        return self.timeline.collective(name, lambda: fn(*args, **kwargs), args, kwargs["async_op"])
-
-    def _average_first(self, t, op):
-        """gloo's AVG sums, then divides: in fp16, the sum of N ranks' loss-scaled gradients can overflow where their
-        average would not. NCCL's AVG multiplies each rank's part by 1/N before the sum (ncclAvg is its PreMulSum for
-        floating-point types), and so does this, for fp16 on gloo: t, the engine's buffer that the collective spends,
-        is divided in place, then summed. (Elsewhere, and in bf16 and fp32, `op` stays as it is.)"""
-        if op == dist.ReduceOp.AVG and t.dtype == torch.float16 and dist.get_backend() == "gloo":
-            t.div_(dist.get_world_size())
-            return dist.ReduceOp.SUM
-        return op
-
-    def all_reduce(self, t, op, async_op=False):
-        self.calls["all_reduce"] += 1
-        self.sent["all_reduce"] += 2 * t.numel() * t.element_size() * self._ring()
-        op = self._average_first(t, op)
-        return self._call("all_reduce", dist.all_reduce, t, op=op, async_op=async_op)
-
-    def reduce_scatter(self, out, inp, op, async_op=False):
-        self.calls["reduce_scatter"] += 1
-        self.sent["reduce_scatter"] += inp.numel() * inp.element_size() * self._ring()
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        op = self._average_first(inp, op)
-        return self._call("reduce_scatter", fn, out, inp, op=op, async_op=async_op)
-
-    def broadcast(self, t, src):  # (a model's buffers, before each forward: the GPT has none)
-        self.sent["broadcast"] += t.numel() * t.element_size() * self._ring()
-        return self._call("broadcast", dist.broadcast, t, src=src, async_op=False)
-
-    def all_gather(self, out, inp, async_op=False):
-        self.calls["all_gather"] += 1
-        self.sent["all_gather"] += out.numel() * out.element_size() * self._ring()
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return self._call("all_gather", fn, out, inp, async_op=async_op)
-
-comm = CommLedger()
 
 def without(label, a, b, holes):
     """What is left of [a, b) outside `holes` (sorted (start, end) pairs), as (label, start, end) pieces."""
@@ -313,18 +240,23 @@ class Timeline:
             span[2] = self.now(stream)
         return enter, leave
 
-    def collective(self, name, call, tensors, async_op):
-        """Issue a collective (call()); return its handle, whose wait() is timed."""
+    def issue(self, name, tensors):
+        """A collective (comm's) is about to be issued: its record, None when the timeline is off."""
         if not self.on:
-            return call()
+            return None
         mib = max(t.numel() * t.element_size() for t in tensors) / 2**20
-        called = time.perf_counter()
-        c = {"name": name, "issued": self.now(), "ends": [], "MiB": mib}
+        c = {"name": name, "issued": self.now(), "ends": [], "MiB": mib, "called": time.perf_counter()}
         self.collectives.append(c)
-        work = call()
+        return c
+
+    def issued(self, c, work, async_op):
+        """The collective of record c has been issued: its handle, whose wait() is timed."""
+        if c is None:
+            return work
+        name = c["name"]
         if not async_op:  # the caller waited all along
             c["ends"].append(self.now())
-        self.calls.append((f"{'issue' if async_op else 'wait'} {name}", called, time.perf_counter()))
+        self.calls.append((f"{'issue' if async_op else 'wait'} {name}", c["called"], time.perf_counter()))
         if not async_op:
             return work
         try:
@@ -507,20 +439,74 @@ def native_stderr_without(patterns):
         sys.stderr.write("".join(ln for ln in lines if not any(p in ln for p in patterns)))
         sys.stderr.flush()
 
-def holdings(model_states, data, device):
-    """What this rank holds, in bytes: its model states by category, and, on a GPU, where each category's tensors are
-    ("device", "host", or "device and host"; on a CPU device and host are one memory: no word); every other tensor on
-    the device (all live ones less the states and the data set there: buffers in flight, leaks); pinned host memory
-    (with CUDA): the live pinned storages, each rounded up to a power of two as PyTorch's pinned-memory cache takes
-    it. (The cache's own counter, torch.cuda.host_memory_stats, also holds the blocks each batch was pinned in, freed
-    or still in flight, and cached blocks.)"""
-    on_device = [t for t in sum(model_states.values(), []) + data if t.device.type == device.type]
+def holdings(engine, data, batch, device):
+    """What this rank holds, in bytes, found two ways. From the engine's own list (model_states()): its model states by
+    category, and, on a GPU, where each category's tensors are ("device", "host", or "device and host"; on a CPU
+    device and host are one memory: no word). Independently of that list: `live`, every tensor on the device that
+    Python can reach (a walk of the garbage collector's objects), less the data set (`data`, its own figure); and
+    `other` = live - the states on the device, named where it can be (`named`): the micro-batch (`batch`, train_step's
+    x and y), the tensors the engine's attributes hold beyond its list (unlisted), and the rest (scalars, buffers in
+    flight, leaks). Pinned host memory (with CUDA): the live pinned storages, each rounded up to a power of two as
+    PyTorch's pinned-memory cache takes it. (The cache's own counter, torch.cuda.host_memory_stats, also holds the
+    blocks each batch was pinned in, freed or still in flight, and cached blocks.)"""
+    model_states = engine.model_states()
+    listed = sum(model_states.values(), [])
+    on_device = [t for t in listed if t.device.type == device.type]
     places = {k: {"device" if t.device.type == device.type else "host" for t in v} for k, v in model_states.items()}
     where = {k: " and ".join(sorted(p)) or None for k, p in places.items()}
+    data_bytes = storage_bytes(t for t in data if t.device.type == device.type)
+    live = live_tensor_bytes(device) - data_bytes
+    other = live - storage_bytes(on_device)
+    named = {"the micro-batch": storage_bytes(t for t in batch if t.device.type == device.type)}
+    named.update(unlisted(engine, listed + data + batch, device))
+    named["the rest"] = other - sum(named.values())
     return dict(states={k: storage_bytes(v) for k, v in model_states.items()},
                 where=where if device.type != "cpu" else {},
-                other=live_tensor_bytes(device) - storage_bytes(on_device),
+                live=live, data=data_bytes, other=other, named=named,
                 pinned=pinned_tensor_bytes() if device.type == "cuda" else 0)
+
+def own_class(obj):
+    """Whether obj is an instance of a class defined in this project's files (or in the script run as __main__)."""
+    module = sys.modules.get(type(obj).__module__)
+    path = getattr(module, "__file__", None) or ""
+    return type(obj).__module__ == "__main__" or os.path.dirname(os.path.abspath(path)) == os.path.dirname(__file__)
+
+def unlisted(engine, listed, device, depth=4):
+    """The device tensors the engine's attributes hold beyond `listed`, in bytes by attribute path (`buckets[*].reduced`:
+    that attribute of the buckets): a walk from the engine through lists, tuples, dicts and the objects of this
+    project's classes (own_class: buckets, optimizers, copies), not into modules (the model's parameters are in the
+    engine's list, or views of it). Each storage counts once, under the first path that reaches it."""
+    seen = {(t.untyped_storage().data_ptr(), t.device) for t in listed if on_device(t, device)}
+    found = defaultdict(int)
+
+    def visit(obj, path, depth):
+        if isinstance(obj, torch.Tensor):
+            if not on_device(obj, device):
+                return
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass with no storage of its own (DTensor)
+                return
+            if (storage.data_ptr(), obj.device) not in seen:
+                seen.add((storage.data_ptr(), obj.device))
+                found[path] += storage.nbytes()
+            return
+        if depth == 0 or isinstance(obj, nn.Module):
+            return
+        if isinstance(obj, (list, tuple)):
+            children = [(f"{path}[*]", x) for x in obj]
+        elif isinstance(obj, dict):
+            children = [(f"{path}[*]", x) for x in obj.values()]
+        elif hasattr(obj, "__dict__") and own_class(obj):
+            children = [(f"{path}.{name}", x) for name, x in vars(obj).items()]
+        else:
+            return
+        for child_path, child in children:
+            visit(child, child_path, depth - 1)
+
+    for name, value in vars(engine).items():
+        visit(value, name, depth)
+    return {path: n for path, n in found.items() if n}
 
 def pinned_tensor_bytes():
     """Pinned host memory that live tensors hold: each distinct pinned storage, rounded up to a power of two."""
@@ -592,22 +578,53 @@ def timeline(trace_dir, rank, device):
     os.makedirs(trace_dir, exist_ok=True)
     prof.export_chrome_trace(os.path.join(trace_dir, f"rank{rank}.json"))
 
-def memory_table(title, per_rank, peaks, theory, host, sent, sent_theory):
-    """What a run ends with: each rank's model states by category beside the formula, its peak, and the bytes it sent
-    per step beside the formula. Ranks that hold the same bytes share a row."""
-    mib = lambda b: f"{b / 2**20:9.2f}"
+def mib(nbytes):
+    """Bytes as MiB in a table's cell."""
+    return f"{nbytes / 2**20:9.2f}"
+
+def amount(nbytes):
+    """Bytes as MiB in a sentence; below 0.01 MiB (the norm's scalar), as bytes."""
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 0.005 * 2**20 or nbytes == 0 else f"{nbytes:,.0f} bytes"
+
+def comm_moves(stage):
+    """What each collective of a stage moves, as the bytes line of a run's table says it."""
+    gathered = "the updated parameters" if stage in ("stage1", "stage2") else "the parameters, in forward and backward"
+    return {"all_reduce": "the gradients" if stage == "stage0" else "the gradient norm: one float64 scalar",
+            "reduce_scatter": "the gradients", "all_gather": gathered, "broadcast": "the model's buffers"}
+
+def memory_table(s, th):
+    """What a run ends with: each rank's model states by category beside the formula (the engine's list), then found
+    without that list, every live tensor on the device and the part of it that is not model states (`other`, named
+    below the table), its peak; and the bytes it sent per step beside the formula, each collective with what it moves.
+    Ranks that hold the same states share a row (the highest live, other and peak of them)."""
+    theory = th["states"]
     cats = list(theory)
-    lines = [f"memory per rank, MiB ({title}; measured on step 1; " + (f"host: {', '.join(host)}" if host else "all on the device") + ")",
-             f"{'rank':>8} |" + "".join(f"{c:>9} |" for c in cats) + f"{'states':>9} |{'peak':>9}"]
-    rows = [(str(r), s, p) for r, s, p in zip(range(len(per_rank)), per_rank, peaks)]
-    if len(rows) > 1 and all(s == per_rank[0] for s in per_rank):
-        rows = [(f"0-{len(rows) - 1}", per_rank[0], max(peaks))]  # all ranks equal: one row, the highest peak
-    for name, states, peak in rows:
+    per_rank = s["model_state_bytes_per_rank"]
+    columns = list(zip(per_rank, s["live_tensor_bytes_per_rank"], s["other_tensor_bytes_per_rank"],
+                       s["peak_memory_bytes_per_rank"]))
+    rows = [(str(r), *column) for r, column in enumerate(columns)]
+    if len(rows) > 1 and all(states == per_rank[0] for states in per_rank):
+        rows = [(f"0-{len(rows) - 1}", per_rank[0], *[max(values) for values in list(zip(*columns))[1:]])]
+    where = f"host: {', '.join(th['host'])}" if th["host"] else "all on the device"
+    lines = [f"memory per rank, MiB ({s['stage']}, {s['dtype']}, {th['formula']}; measured on step 1; {where})",
+             f"{'rank':>8} |" + "".join(f"{c:>9} |" for c in cats)
+             + "".join(f"{c:>9} |" for c in ("states", "live", "other")) + f"{'peak':>9}"]
+    for name, states, live, other, peak in rows:
         lines.append(f"{name:>8} |" + "".join(f"{mib(states.get(c, 0))} |" for c in cats)
-                     + f"{mib(sum(states.values()))} |{mib(peak)}")
+                     + f"{mib(sum(states.values()))} |{mib(live)} |{mib(other)} |{mib(peak)}")
     lines.append(f"{'formula':>8} |" + "".join(f"{mib(theory[c])} |" for c in cats) + f"{mib(sum(theory.values()))} |")
-    lines.append(f"sent per step {sum(sent.values()) / 2**20:.2f} MiB (formula {sum(sent_theory.values()) / 2**20:.2f}): "
-                 + (", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(sent.items())) or "nothing"))
+    sent = {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items() if v["measured"]}
+    moves = comm_moves(s["stage"])
+    each = ", ".join(f"{k} {amount(v)} ({moves.get(k, 'not in the formula')})"
+                     for k, v in sorted(sent.items(), key=lambda kv: -kv[1]))
+    total = f"sent per step {sum(sent.values()) / 2**20:.2f} MiB (formula {sum(th['comm'].values()) / 2**20:.2f})"
+    lines += textwrap.wrap(f"{total}: {each or 'nothing'}", 120)
+    named = ", ".join(f"{'engine.' * (k not in ('the micro-batch', 'the rest'))}{k} {amount(v)}"
+                      for k, v in s["other_named"].items() if v or k == "the micro-batch")
+    note = (f"other = live - states, on rank 0: {named}. live: every tensor on the device that the garbage collector "
+            f"finds (not the engine's list) after the last backward, less the data set ({amount(s['data_bytes'])}); "
+            f"the peak adds the step's activations and working set")
+    lines += textwrap.wrap(note, 120)
     return "\n".join(lines)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -656,7 +673,7 @@ class Run:
         self.engine = engine
         self.data = data
         self.th = th  # what the paper's model says this run holds and sends (train_gpt.theory)
-        self.scaler = scaler  # fp16's loss scaler (train_gpt.scaler): the log shows its scale and skipped steps
+        self.scaler = scaler  # fp16's loss scaler (main's, a train_gpt.LossScaler): the log shows its scale and skipped steps
         self.device = device
         self.rank = rank
         self.world_size = world_size
@@ -779,7 +796,9 @@ def summarize(run):
     measured = run.measured
     history = run.history
     timed = sorted(run.step_times[1:] or run.step_times)  # the first step warms up
-    states, sent, ranks = measured["states"], measured["sent"], everyone((measured["states"], measured["peak"]))
+    states = measured["states"]
+    sent = measured["sent"]
+    ranks = everyone((measured["states"], measured["peak"], measured["live"], measured["other"]))
     where = measured.get("where")  # measured on a GPU; on a CPU, the plan's (th["host"])
     return dict(stage=run.stage, world_size=run.world_size,
                 n_params=sum(p.numel() for p in run.engine.model.parameters()),
@@ -787,13 +806,15 @@ def summarize(run):
                 args=vars(args), **history, val_loss=history["val_losses"][-1][1] if history["val_losses"] else None,
                 steps_done=run.end, resumed_from=run.start, unigram_loss=run.data.unigram_loss,
                 tokens_per_s=args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0,
-                peak_memory_bytes=measured["peak"], other_tensor_bytes=measured["other"],
+                peak_memory_bytes=measured["peak"], live_tensor_bytes=measured["live"], data_bytes=measured["data"],
+                other_tensor_bytes=measured["other"], other_named=measured["named"],
                 workspace_bytes=measured.get("workspace", 0),
                 pinned_host_bytes={"measured": measured["pinned"], "theory": th["pinned"]},
                 model_state_bytes={k: {"measured": states.get(k, 0), "theory": v,  # where: its tensors' device (GPU)
                                        "where": where.get(k) if where else "host" if k in th["host"] else "device"}
                                    for k, v in th["states"].items()},
-                model_state_bytes_per_rank=[s for s, _ in ranks], peak_memory_bytes_per_rank=[p for _, p in ranks],
+                model_state_bytes_per_rank=[r[0] for r in ranks], peak_memory_bytes_per_rank=[r[1] for r in ranks],
+                live_tensor_bytes_per_rank=[r[2] for r in ranks], other_tensor_bytes_per_rank=[r[3] for r in ranks],
                 activation_checkpoints=activation_checkpoints(args, cfg, run.world_size),
                 comm_bytes_per_step={"measured": sum(sent.values()), "theory": sum(th["comm"].values()),
                                      "by_collective": {k: {"measured": sent.get(k, 0.0),
@@ -821,9 +842,7 @@ def report(summary, th):
     k = scaler.get("skipped", 0)
     print(f"{s['stage']}: val loss {val} (unigram {s['unigram_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s"
           + (f"; fp16 loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if scaler.get("enabled") else ""))
-    print(memory_table(f"{s['stage']}, {s['dtype']}, {th['formula']}", s["model_state_bytes_per_rank"],
-                       s["peak_memory_bytes_per_rank"], th["states"], th["host"],
-                       {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items()}, th["comm"]))
+    print(memory_table(s, th))
     if s.get("activation_checkpoints"):
         a = s["activation_checkpoints"]
         print(f"activations checkpointed: each of the {a['blocks']} blocks keeps only its input for backward "

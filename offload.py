@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from comm import comm
 from devices import load_cpu_adam, set_cpu_adam_threads
-from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s,
+from train_gpt import (AdamW, Misuse, clip_coef, main, output_tensors, require, share_rank0s,
                        trained, units_of)
 
 class Copies:
@@ -33,15 +34,15 @@ class Copies:
         # the stream the copies are queued on: the compute stream, so they run in order with compute
         self.stream = torch.cuda.current_stream(device) if self.cuda else None
 
-    # a zeroed host buffer, pinned with CUDA (zeros_like of a pinned tensor is not)
     def host(self, numel, dtype):
+        """A zeroed host buffer, pinned with CUDA (zeros_like of a pinned tensor is not)."""
         return torch.zeros(numel, dtype=dtype, pin_memory=self.cuda)
 
     def copy(self, dst, src):  # one end from host()
         return dst.copy_(src, non_blocking=self.cuda)
 
-    # the host waits until every copy queued so far has landed (and so may read or rewrite its ends)
     def landed(self):
+        """The host waits until every copy queued so far has landed (and so may read or rewrite its ends)."""
         if self.cuda:
             self.stream.synchronize()
 
@@ -67,19 +68,21 @@ class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
     def __init__(self, start, module):
-        self.start = self.end = start  # its place in the flat numbering of all parameters
+        # The bucket holds elements [start, end) of the flat numbering of all parameters. `waiting` counts the
+        # gradients still to arrive in this backward; `work` is the bucket's collective while it is in flight.
+        self.start = self.end = start
         self.module = module  # the unit
         self.params = []
-        self.waiting = 0   # gradients still to arrive in this backward
-        self.work = None   # the collective in flight
-        self.grad = None   # the bucket's full gradient: exists only until reduced
+        self.waiting = 0
+        self.work = None
+        self.grad = None  # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
         # its reduced shard, summed on the device over the micro-steps until it goes down
         self.acc = None
 
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
-    # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    # main() builds the model on the meta device (shapes, no storage), and __init__ makes it bucket by bucket.
     from_meta = True
 
     @staticmethod
@@ -121,19 +124,19 @@ class OffloadEngine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
-                # main() builds the model on the meta device: p gets storage, and its values, only now
+                # A parameter built on the meta device gets its storage, and its initial values, only here.
                 if p.is_meta:
                     torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
                     model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
-            # once, before training: every rank starts from rank 0's weights
+            # Once, before training, so that every rank starts from rank 0's weights.
             dist.broadcast(b.param, src=0)
             # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        # frozen parameters and buffers: rank 0's too; buffers before each forward too
+        # Frozen parameters and buffers are rank 0's too (buffers are broadcast again before each forward).
         share_rank0s(model, args)
         # [Offload] in host memory: the fp32 master, Adam's moments, the gradient shard and staging (for the copies up)
         self.copies = Copies(device)
@@ -167,27 +170,28 @@ class OffloadEngine:
         # [/ZeRO-3]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        # True from a backward(loss, sync=True) until the step that uses its gradient
+        # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
     def _pad(self, b):
+        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _my_shard_of(self, flat):  # this rank's shard of a bucket-sized buffer
+    def _my_shard_of(self, flat):
+        """This rank's shard of a bucket-sized buffer."""
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
     def _shard_range(self, b):
+        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
-    # start gathering bucket b's full parameters from every rank's shard (asynchronously)
     def _gather(self, b):
+        """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
         # its storage is freed: neither gathered nor being gathered
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
@@ -202,8 +206,8 @@ class OffloadEngine:
             # [/ZeRO-3 Offload]
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
-    # b runs next (forward or backward): have its parameters; prefetch the next bucket's
     def _use(self, b, order):
+        """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
         # [/Recompute]
@@ -230,8 +234,8 @@ class OffloadEngine:
         self._wait(b)
         b.param.untyped_storage().resize_(0)
 
-    # free b's parameters; if backward will come, gather them again just before it
     def _after_forward(self, b, out):
+        """Free b's parameters; if backward will come, gather them again just before it."""
         # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
@@ -246,15 +250,18 @@ class OffloadEngine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
+        # Only engine.backward arms this hook: it counts the gradients each bucket waits for.
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
         # [/ZeRO-2]
+        # The bucket holds the only copy of the gradient.
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
-        p.grad = None  # the bucket holds the only gradient
+        p.grad = None
         b.waiting -= 1
-        if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
+        # Every micro-step reduces its complete buckets: only the shard accumulates.
+        if b.waiting == 0:
             # [ZeRO-3] the bucket's backward is done: free its full parameters
             self._free(b)
             # [/ZeRO-3]
@@ -266,14 +273,12 @@ class OffloadEngine:
             else:
                 b.reduced = torch.empty_like(self._my_shard_of(b.grad))
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
-            # by now the previous bucket's reduction is (nearly always) done: release it
-            while self.in_flight:
+            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
             # [/ZeRO-2]
 
     # [Offload] wait for the reduce-scatter; on the last micro-step, copy the shard summed on the device to the CPU
-    # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
     def _release(self, b):
         b.work.wait()
         b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)  # summed over the micro-steps, on the device
@@ -288,18 +293,19 @@ class OffloadEngine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        # True on the step's last micro-step: its gradient will be complete, step() may follow
+        # sync is True on the step's last micro-step: its gradient will be complete, and step() may follow.
         self.sync = sync
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
+        # Every gradient must have come.
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)
         while self.in_flight:
             self._release(self.in_flight.pop())
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
+        # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
-        # this gradient is used up: the next step needs another backward
         self.sync = False
         # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
@@ -312,8 +318,8 @@ class OffloadEngine:
                           device=self.buckets[0].param.device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
-        # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
+        # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
         if coef is None:
             self._drop_gradient()
             return norm
@@ -338,8 +344,8 @@ class OffloadEngine:
         self.copies.landed()
         return norm
 
-    # the step used (or skipped) this gradient: the next one starts from zero
     def _drop_gradient(self):
+        """The step used (or skipped) this gradient: the next one starts from zero."""
         self.grad_shard.zero_()
 
     # [Offload] AdamW on the host, in C++
@@ -386,9 +392,9 @@ class OffloadEngine:
             self.copies.landed()
     # [/DPU]
 
-    # ---- for checkpoints and the ledgers; skip on a first reading ----
-    # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
     def grad(self, p):
+        """---- for checkpoints and the ledgers; skip on a first reading ---- (lo, view): the elements [lo, lo +
+        view.numel()) of p's averaged gradient this rank holds."""
         # every copy queued so far has landed: the gradient shard's too
         self.copies.landed()
         lo, hi, at = self._piece_of(p)
@@ -406,8 +412,8 @@ class OffloadEngine:
         # [/DPU]
         return states
 
-    # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
     def state_pieces(self):
+        """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
         # [DPU] the update in flight lands first (a one-step shift)
         self._finish_update()
         # [/DPU]
@@ -419,16 +425,16 @@ class OffloadEngine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
     def _piece_of(self, p):
+        """The elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state."""
         b = self.bucket_of[p]
-        # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        # This rank owns elements [rank*s, (rank+1)*s) of the bucket.
         s = (b.end - b.start) // self.world_size
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
-    # a checkpoint filled this rank's master and moments: count its steps, update the model
     def resume(self, step):
+        """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
         self.param_shard.copy_(self.master)
 

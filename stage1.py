@@ -5,9 +5,10 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
     P_os      bf16 parameters 2Ψ + bf16 gradients 2Ψ + (fp32 master, Adam m, Adam v) 12Ψ/N  =  4Ψ + 12Ψ/N
     sent      reduce-scatter of the gradients Ψ(N-1)/N + all-gather of the parameters Ψ(N-1)/N  =  2Ψ(N-1)/N
 
-The idea: each bucket is padded to a multiple of N and cut into N equal shards, rank r owning shard r of every bucket
-(no big tensor unbalances the ranks). A complete bucket is reduce-scattered, rank r updates its shard of the average
-with fp32 AdamW, and an all-gather brings the updated shards to every rank: stage 0's all-reduce, split by the step.
+The idea: each bucket is padded to a multiple of N and cut into N equal shards, and rank r owns shard r of every
+bucket, so no big tensor unbalances the ranks. A complete bucket is reduce-scattered: rank r receives the average of
+its own shard only, and updates that shard with fp32 AdamW. An all-gather then brings every rank's updated shard to
+all ranks. The reduce-scatter and the all-gather are the two halves of stage 0's all-reduce, with the step between.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage1.py --preset tiny --steps 100
@@ -16,20 +17,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, share_rank0s, sum_of_squares, trained
+from comm import comm
+from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
     def __init__(self, start):
-        self.start = self.end = start  # its place in the flat numbering of all parameters
+        # The bucket holds elements [start, end) of the flat numbering of all parameters. `waiting` counts the
+        # gradients still to arrive in this backward; `work` is the bucket's collective while it is in flight.
+        self.start = self.end = start
         self.params = []
-        self.waiting = 0   # gradients still to arrive in this backward
-        self.work = None   # the collective in flight
+        self.waiting = 0
+        self.work = None
 
 class ZeRO1Engine:
     """Stage 1: optimizer states sharded; gradient buckets are reduce-scattered during backward."""
-    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    # main() builds the model on the meta device (shapes, no storage), and __init__ makes it bucket by bucket.
+    from_meta = True
 
     @staticmethod
     def add_args(parser):
@@ -38,7 +43,8 @@ class ZeRO1Engine:
     def __init__(self, model, args, device):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = [p for _, p in trained(model)][::-1]  # backward meets the last layers first: their bucket fills first
+        # Backward meets the last layers first, so the buckets are filled from the last parameter to the first.
+        params = [p for _, p in trained(model)][::-1]
         # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
         self.buckets = [Bucket(0)]
@@ -57,41 +63,50 @@ class ZeRO1Engine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
-                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                # A parameter built on the meta device gets its storage, and its initial values, only here.
+                if p.is_meta:
                     torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
                     model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
-            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
+            # Once, before training, so that every rank starts from rank 0's weights.
+            dist.broadcast(b.param, src=0)
             b.grad = torch.zeros_like(b.param)
-        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
+        # Frozen parameters and buffers are rank 0's too (buffers are broadcast again before each forward).
+        share_rank0s(model, args)
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
-        self.master = torch.cat([self._my_shard_of(b.param) for b in self.buckets]).float()  # this rank's shard
+        self.master = torch.cat([self._my_shard_of(b.param) for b in self.buckets]).float()
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
+        # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
+        self.sync = False
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    def _pad(self, b):  # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
+    def _pad(self, b):
+        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _my_shard_of(self, flat):  # this rank's shard of a bucket-sized buffer
+    def _my_shard_of(self, flat):
+        """This rank's shard of a bucket-sized buffer."""
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard_range(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    def _shard_range(self, b):
+        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
+        # Only engine.backward arms this hook: it counts the gradients each bucket waits for.
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)
+        # The bucket holds the only copy of the gradient.
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
-        p.grad = None  # the bucket holds the only gradient
+        p.grad = None
         b.waiting -= 1
         if b.waiting == 0 and self.sync:
             # [ZeRO-1] reduce-scatter the bucket (average) into this rank's slice of grad_shard, asynchronously
@@ -104,45 +119,53 @@ class ZeRO1Engine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
-        if sync:  # the reduced shard of the gradient: a communication buffer, dropped after the step
+        # sync is True on the step's last micro-step: its gradient will be complete, and step() may follow.
+        self.sync = sync
+        # The reduced shard of the gradient: a communication buffer, dropped after the step.
+        if sync:
             self.grad_shard = torch.empty_like(self.master, dtype=self.buckets[0].grad.dtype)
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
+        # Every gradient must have come.
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)
         if sync:
             for b in self.buckets:
                 b.work.wait()
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
+        # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
-        self.sync = False  # this gradient is used up: the next step needs another backward
+        self.sync = False
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
-        norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)  # this rank's shard
-        comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
+        norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
+        comm.all_reduce(norm, op=dist.ReduceOp.SUM)
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
-        if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
+        # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
+        if coef is None:
             self._drop_gradient()
             return norm
+        # One bucket's shard of the gradient in fp32 at a time.
         self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
-                             for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
+                             for b in self.buckets), lr)
         # [/ZeRO-1]
         # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
         for b in self.buckets:
-            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))  # every rank's shard, cast
+            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))
         # [/ZeRO-1]
         self._drop_gradient()
         return norm
 
-    def _drop_gradient(self):  # the step used (or skipped) this gradient: the next one starts from zero
+    def _drop_gradient(self):
+        """The step used (or skipped) this gradient: the next one starts from zero."""
         for b in self.buckets:
             b.grad.zero_()
         self.grad_shard = None
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
+    def grad(self, p):
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds."""
         lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
@@ -150,7 +173,8 @@ class ZeRO1Engine:
         return {"params": [b.param for b in self.buckets], "grads": [b.grad for b in self.buckets],
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
+    def state_pieces(self):
+        """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
         state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
         pieces = []
         for name, p in trained(self.model):
@@ -159,13 +183,16 @@ class ZeRO1Engine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
+    def _piece_of(self, p):
+        """The elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state."""
         b = self.bucket_of[p]
-        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        # This rank owns elements [rank*s, (rank+1)*s) of the bucket.
+        s = (b.end - b.start) // self.world_size
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
-    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
+    def resume(self, step):
+        """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
         for b in self.buckets:
             comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))

@@ -16,21 +16,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import AdamW, Misuse, clip_coef, comm, main, require, share_rank0s, sum_of_squares, trained
+from comm import comm
+from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
     def __init__(self, start):
-        self.start = self.end = start  # its place in the flat numbering of all parameters
+        # The bucket holds elements [start, end) of the flat numbering of all parameters. `waiting` counts the
+        # gradients still to arrive in this backward; `work` is the bucket's collective while it is in flight.
+        self.start = self.end = start
         self.params = []
-        self.waiting = 0   # gradients still to arrive in this backward
-        self.work = None   # the collective in flight
-        self.grad = None   # the bucket's full gradient: exists only until reduced
+        self.waiting = 0
+        self.work = None
+        self.grad = None  # the bucket's full gradient: exists only until reduced
 
 class ZeRO2Engine:
     """Stage 2: optimizer states and gradients sharded; a bucket's gradient is freed once reduce-scattered."""
-    from_meta = True  # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    # main() builds the model on the meta device (shapes, no storage), and __init__ makes it bucket by bucket.
+    from_meta = True
 
     @staticmethod
     def add_args(parser):
@@ -39,7 +43,8 @@ class ZeRO2Engine:
     def __init__(self, model, args, device):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        params = [p for _, p in trained(model)][::-1]  # backward meets the last layers first: their bucket fills first
+        # Backward meets the last layers first, so the buckets are filled from the last parameter to the first.
+        params = [p for _, p in trained(model)][::-1]
         # DDP's default is 25 MB (1 MB for the first); our models are small, and one bucket would overlap nothing
         bucket_numel = max(1, int(args.bucket_mb * 2**20) // params[0].element_size())
         self.buckets = [Bucket(0)]
@@ -58,15 +63,18 @@ class ZeRO2Engine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
-                if p.is_meta:  # main() builds the model on the meta device: p gets storage, and its values, only now
+                # A parameter built on the meta device gets its storage, and its initial values, only here.
+                if p.is_meta:
                     torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
                     model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
-            dist.broadcast(b.param, src=0)  # once, before training: every rank starts from rank 0's weights
-        share_rank0s(model, args)  # frozen parameters and buffers: rank 0's too; buffers before each forward too
+            # Once, before training, so that every rank starts from rank 0's weights.
+            dist.broadcast(b.param, src=0)
+        # Frozen parameters and buffers are rank 0's too (buffers are broadcast again before each forward).
+        share_rank0s(model, args)
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
-        self.master = torch.cat([self._my_shard_of(b.param) for b in self.buckets]).float()  # this rank's shard
+        self.master = torch.cat([self._my_shard_of(b.param) for b in self.buckets]).float()
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
         # this rank's gradient shard (ZeRO-2's 2Ψ/N of gradients): every micro-step's reduce-scatter adds into it
@@ -75,33 +83,40 @@ class ZeRO2Engine:
         self.in_flight = []
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = False  # True from a backward(loss, sync=True) until the step that uses its gradient
+        # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
+        self.sync = False
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    def _pad(self, b):  # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
+    def _pad(self, b):
+        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _my_shard_of(self, flat):  # this rank's shard of a bucket-sized buffer
+    def _my_shard_of(self, flat):
+        """This rank's shard of a bucket-sized buffer."""
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    def _shard_range(self, b):  # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
+    def _shard_range(self, b):
+        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
+        # Only engine.backward arms this hook: it counts the gradients each bucket waits for.
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
         # [/ZeRO-2]
+        # The bucket holds the only copy of the gradient.
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
-        p.grad = None  # the bucket holds the only gradient
+        p.grad = None
         b.waiting -= 1
-        if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
+        # Every micro-step reduces its complete buckets: only the shard accumulates.
+        if b.waiting == 0:
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
@@ -111,7 +126,7 @@ class ZeRO2Engine:
             # [/ZeRO-2]
 
     # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
-    def _release(self, b):  # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
+    def _release(self, b):
         b.work.wait()
         self.grad_shard[self._shard_range(b)] += b.reduced
         b.grad = b.reduced = b.work = None
@@ -122,40 +137,47 @@ class ZeRO2Engine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        self.sync = sync  # True on the step's last micro-step: its gradient will be complete, step() may follow
+        # sync is True on the step's last micro-step: its gradient will be complete, and step() may follow.
+        self.sync = sync
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
+        # Every gradient must have come.
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)
         while self.in_flight:
             self._release(self.in_flight.pop())
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
+        # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
-        self.sync = False  # this gradient is used up: the next step needs another backward
+        self.sync = False
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
-        norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)  # this rank's shard
-        comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
+        norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
+        comm.all_reduce(norm, op=dist.ReduceOp.SUM)
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
-        if coef is None:  # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
+        # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
+        if coef is None:
             self._drop_gradient()
             return norm
+        # One bucket's shard of the gradient in fp32 at a time.
         self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
-                             for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
+                             for b in self.buckets), lr)
         # [/ZeRO-1]
         # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
         for b in self.buckets:
-            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))  # every rank's shard, cast
+            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))
         # [/ZeRO-1]
         self._drop_gradient()
         return norm
 
-    def _drop_gradient(self):  # the step used (or skipped) this gradient: the next one starts from zero
+    def _drop_gradient(self):
+        """The step used (or skipped) this gradient: the next one starts from zero."""
         self.grad_shard.zero_()
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
-    def grad(self, p):  # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
+    def grad(self, p):
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds."""
         lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
@@ -163,7 +185,8 @@ class ZeRO2Engine:
         return {"params": [b.param for b in self.buckets], "grads": [self.grad_shard],
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    def state_pieces(self):  # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
+    def state_pieces(self):
+        """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
         state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
         pieces = []
         for name, p in trained(self.model):
@@ -172,13 +195,16 @@ class ZeRO2Engine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    def _piece_of(self, p):  # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
+    def _piece_of(self, p):
+        """The elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state."""
         b = self.bucket_of[p]
-        s = (b.end - b.start) // self.world_size  # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        # This rank owns elements [rank*s, (rank+1)*s) of the bucket.
+        s = (b.end - b.start) // self.world_size
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
-    def resume(self, step):  # a checkpoint filled this rank's master and moments: count its steps, update the model
+    def resume(self, step):
+        """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
         for b in self.buckets:
             comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))

@@ -18,24 +18,27 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from train_gpt import (AdamW, Misuse, clip_coef, comm, main, output_tensors, require, share_rank0s, sum_of_squares,
+from comm import comm
+from train_gpt import (AdamW, Misuse, clip_coef, main, output_tensors, require, share_rank0s, sum_of_squares,
                        trained, units_of)
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
     a multiple of N: rank r owns elements [start + r*s, start + (r+1)*s) with s = (end - start) / N."""
     def __init__(self, start, module):
-        self.start = self.end = start  # its place in the flat numbering of all parameters
+        # The bucket holds elements [start, end) of the flat numbering of all parameters. `waiting` counts the
+        # gradients still to arrive in this backward; `work` is the bucket's collective while it is in flight.
+        self.start = self.end = start
         self.module = module  # the unit
         self.params = []
-        self.waiting = 0   # gradients still to arrive in this backward
-        self.work = None   # the collective in flight
-        self.grad = None   # the bucket's full gradient: exists only until reduced
+        self.waiting = 0
+        self.work = None
+        self.grad = None  # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
 
 class ZeRO3Engine:
     """Stage 3: everything sharded; a module's parameters are gathered just before use and freed right after."""
-    # main() builds the model on the meta device (no storage), and __init__ makes it bucket by bucket
+    # main() builds the model on the meta device (shapes, no storage), and __init__ makes it bucket by bucket.
     from_meta = True
 
     @staticmethod
@@ -70,19 +73,19 @@ class ZeRO3Engine:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
-                # main() builds the model on the meta device: p gets storage, and its values, only now
+                # A parameter built on the meta device gets its storage, and its initial values, only here.
                 if p.is_meta:
                     torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device)))
                     model.init_weight(p)
                 b.param[self.offset[p]:self.offset[p] + p.numel()].copy_(p.detach().view(-1))
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
-            # once, before training: every rank starts from rank 0's weights
+            # Once, before training, so that every rank starts from rank 0's weights.
             dist.broadcast(b.param, src=0)
             # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
             # [/ZeRO-3]
-        # frozen parameters and buffers: rank 0's too; buffers before each forward too
+        # Frozen parameters and buffers are rank 0's too (buffers are broadcast again before each forward).
         share_rank0s(model, args)
         # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = self.param_shard.to(torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
@@ -100,34 +103,35 @@ class ZeRO3Engine:
         # [/ZeRO-3]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        # True from a backward(loss, sync=True) until the step that uses its gradient
+        # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
-    # round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)
     def _pad(self, b):
+        """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
         return b.end
 
-    def _my_shard_of(self, flat):  # this rank's shard of a bucket-sized buffer
+    def _my_shard_of(self, flat):
+        """This rank's shard of a bucket-sized buffer."""
         s = flat.numel() // self.world_size
         return flat[self.rank * s:(self.rank + 1) * s]
 
-    # where this rank's shard of bucket b lies in the rank's flat shards (master, moments)
     def _shard_range(self, b):
+        """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
     # [/ZeRO-1]
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
-    # start gathering bucket b's full parameters from every rank's shard (asynchronously)
     def _gather(self, b):
+        """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
         # its storage is freed: neither gathered nor being gathered
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
-    # b runs next (forward or backward): have its parameters; prefetch the next bucket's
     def _use(self, b, order):
+        """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
         # [/Recompute]
@@ -154,8 +158,8 @@ class ZeRO3Engine:
         self._wait(b)
         b.param.untyped_storage().resize_(0)
 
-    # free b's parameters; if backward will come, gather them again just before it
     def _after_forward(self, b, out):
+        """Free b's parameters; if backward will come, gather them again just before it."""
         # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
@@ -170,29 +174,30 @@ class ZeRO3Engine:
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
-        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)  # engine.backward arms this hook
+        # Only engine.backward arms this hook: it counts the gradients each bucket waits for.
+        require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)
         # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
         # [/ZeRO-2]
+        # The bucket holds the only copy of the gradient.
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
-        p.grad = None  # the bucket holds the only gradient
+        p.grad = None
         b.waiting -= 1
-        if b.waiting == 0:  # every micro-step reduces: only the shard accumulates
+        # Every micro-step reduces its complete buckets: only the shard accumulates.
+        if b.waiting == 0:
             # [ZeRO-3] the bucket's backward is done: free its full parameters
             self._free(b)
             # [/ZeRO-3]
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
-            # by now the previous bucket's reduction is (nearly always) done: release it
-            while self.in_flight:
+            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
             # [/ZeRO-2]
 
     # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
-    # b's reduce-scatter is done: keep its reduced shard, free the bucket's full gradient
     def _release(self, b):
         b.work.wait()
         self.grad_shard[self._shard_range(b)] += b.reduced
@@ -204,34 +209,36 @@ class ZeRO3Engine:
         return self.model(*args, **kwargs)
 
     def backward(self, loss, sync):
-        # True on the step's last micro-step: its gradient will be complete, step() may follow
+        # sync is True on the step's last micro-step: its gradient will be complete, and step() may follow.
         self.sync = sync
         for b in self.buckets:
             b.waiting = len(b.params)
         loss.backward()
-        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)  # every gradient came
+        # Every gradient must have come.
+        require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)
         while self.in_flight:
             self._release(self.in_flight.pop())
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
+        # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
-        # this gradient is used up: the next step needs another backward
         self.sync = False
         # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
         # [/ZeRO-3]
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
-        norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)  # this rank's shard
-        comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
+        norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
+        comm.all_reduce(norm, op=dist.ReduceOp.SUM)
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
-        # fp16 overflowed on some rank: the norm is global, so every rank skips this step
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
+        # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
         if coef is None:
             self._drop_gradient()
             return norm
+        # One bucket's shard of the gradient in fp32 at a time.
         self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
-                             for b in self.buckets), lr)  # one bucket's shard in fp32 at a time
+                             for b in self.buckets), lr)
         # [/ZeRO-1]
         # [ZeRO-3] the updated shard, cast into this rank's parameter shard (no all-gather: gathered when next used)
         self.param_shard.copy_(self.master)
@@ -239,13 +246,13 @@ class ZeRO3Engine:
         self._drop_gradient()
         return norm
 
-    # the step used (or skipped) this gradient: the next one starts from zero
     def _drop_gradient(self):
+        """The step used (or skipped) this gradient: the next one starts from zero."""
         self.grad_shard.zero_()
 
-    # ---- for checkpoints and the ledgers; skip on a first reading ----
-    # (lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds
     def grad(self, p):
+        """---- for checkpoints and the ledgers; skip on a first reading ---- (lo, view): the elements [lo, lo +
+        view.numel()) of p's averaged gradient this rank holds."""
         lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
@@ -253,8 +260,8 @@ class ZeRO3Engine:
         return {"params": [self.param_shard], "grads": [self.grad_shard],
                 "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
-    # this rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])
     def state_pieces(self):
+        """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
         state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
         pieces = []
         for name, p in trained(self.model):
@@ -263,16 +270,16 @@ class ZeRO3Engine:
                 pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
         return pieces
 
-    # the elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state
     def _piece_of(self, p):
+        """The elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state."""
         b = self.bucket_of[p]
-        # this rank owns elements [rank*s, (rank+1)*s) of the bucket
+        # This rank owns elements [rank*s, (rank+1)*s) of the bucket.
         s = (b.end - b.start) // self.world_size
         lo, hi = max(self.offset[p], self.rank * s), min(self.offset[p] + p.numel(), (self.rank + 1) * s)
         return lo - self.offset[p], max(lo, hi) - self.offset[p], self._shard_range(b).start + lo - self.rank * s
 
-    # a checkpoint filled this rank's master and moments: count its steps, update the model
     def resume(self, step):
+        """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
         self.param_shard.copy_(self.master)
 

@@ -5,9 +5,10 @@ and the training loop every stage shares. Run alone, it is the single-device ref
     python train_gpt.py --preset tiny --steps 50          # seconds on a laptop (no --preset: the `small` GPT, ~10M)
     python train_gpt.py --data input.txt --dtype fp32     # any UTF-8 text; fp32 for exact comparisons
 
-Every stage file (stage0_ddp.py ... offload.py) imports this file alone and brings only its Engine, which takes any
-nn.Module, trains the parameters that require a gradient (examples/any_model.py), holds this rank's model states and
-moves them: forward(*args) -> the model's output, backward(loss, sync), step(lr) -> global gradient norm, padded_numel
+Every stage file (stage0_ddp.py ... offload.py) imports this file and comm.py (the collectives) and brings only its
+Engine, which takes any nn.Module, trains the parameters that require a gradient (examples/any_model.py), holds this
+rank's model states and moves them: forward(*args) -> the model's output, backward(loss, sync), step(lr, scaler) ->
+global gradient norm, padded_numel
 (Ψ'); and for checkpoints and the ledgers grad(p) -> (lo, view) of p's averaged gradient this rank holds,
 model_states(), state_pieces(), resume(step). The device layer, meters, options and checkpoints come after the stages.
 """
@@ -25,7 +26,8 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (check
 from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_checkpoints, save_checkpoint
 from options import Misuse, check_args, gpt_config, load_text, parse_args, require
 from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
-from instruments import Run, check_profile, comm, evaluate, finish, holdings, pinned_bytes, summarize
+from comm import comm
+from instruments import Run, check_profile, evaluate, finish, holdings, pinned_bytes, summarize
 
 # ----------------------------------------------------------------------------------------------------------
 # The model: nanoGPT's decoder (pre-LayerNorm blocks, GELU MLP, LM head tied to the token embedding), without
@@ -340,16 +342,17 @@ class LossScaler:
             self.good_steps = 0
             self.skipped += 1
 
-scaler = LossScaler()  # main() turns it on for fp16; every engine's clip_coef reads it
+NO_SCALING = LossScaler()  # bf16 and fp32: scale 1, nothing skipped (an engine's step(lr) called without a scaler)
 
-def clip_coef(norm, max_norm):
+def clip_coef(norm, max_norm, scaler=None):
     """The factor torch.nn.utils.clip_grad_norm_ scales gradients by; --grad_clip 0 means no clipping (as in nanoGPT
     and DeepSpeed: scaling by 0 would silently stop learning). Every stage calls it before its update, so a non-finite
     norm stops the run here, before any NaN reaches the master weights or a checkpoint. In fp16 the factor also unscales
-    (by a power of two: exactly), and a non-finite norm above the scaler's floor returns None: skip the step. Every
-    stage's norm is global (all-reduced, or the all-reduced gradient's): an overflow on any rank, and all ranks skip.
-    The scaler learns of each step here, where the host knows whether the norm is finite, after the factor used its
-    scale."""
+    by the loss scale of `scaler` (a power of two: exactly), which main's loop owns and passes to engine.step, and a
+    non-finite norm above the scaler's floor returns None: skip the step. Every stage's norm is global (all-reduced, or
+    the all-reduced gradient's): an overflow on any rank, and all ranks skip. The scaler learns of each step here, where
+    the host knows whether the norm is finite, after the factor used its scale. No scaler (None): no scaling."""
+    scaler = NO_SCALING if scaler is None else scaler
     # One host sync per step: the decision to update at all is the host's. The norm read once, the factor is made on
     # the host too (a 0-dim host tensor is a scalar to a GPU kernel), so offload's C++ AdamW reads it for free.
     norm = norm.cpu()
@@ -377,9 +380,9 @@ class SingleDeviceEngine:
     def backward(self, loss, sync):
         loss.backward()  # gradients accumulate in p.grad across micro-steps
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         norm = sum(sum_of_squares(p.grad) for p in self.params).sqrt()
-        coef = clip_coef(norm, self.args.grad_clip)
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
         for optimizer, p in zip(self.optimizers, self.params):
             if coef is not None:  # None: fp16 overflowed; the step is skipped (nothing changes, the gradient goes)
                 optimizer.step([(slice(None), p.grad.float().mul_(coef))], lr)
@@ -429,7 +432,7 @@ def theory(stage, padded_numel, world_size, dtype, args, device):
                 pinned=pinned_theory(stage, padded_numel, world_size, param_bytes, offload_params, grad_shards == 2)
                 if device.type == "cuda" else 0)  # nothing is pinned without CUDA
 
-def train_step(engine, data, args, step, device, measured=None):
+def train_step(engine, data, args, step, device, *, scaler=NO_SCALING, measured=None):
     """One optimizer step over the global batch; rank r takes slice (k*N + r) at micro-step k. With `measured`, also
     record there what this rank holds when the optimizer runs: the paper's model states, and everything else. The loss
     and the gradient norm come back as tensors on the device: reading them would make the host wait for the GPU, and
@@ -446,9 +449,9 @@ def train_step(engine, data, args, step, device, measured=None):
             engine.backward(loss / args.grad_accum * scale, sync=(k == args.grad_accum - 1))
         loss_sum += loss.detach().float() / args.grad_accum
     if measured is not None:
-        measured.update(holdings(engine.model_states(), [data.train, data.val], device))
+        measured.update(holdings(engine, [data.train, data.val], [x, y], device))
     with torch.profiler.record_function("step"):
-        grad_norm = engine.step(lr_at(step, args)).double() / scale  # the true gradient's (non-finite: skipped)
+        grad_norm = engine.step(lr_at(step, args), scaler).double() / scale  # the true gradient's (non-finite: skipped)
     sent = comm.take()
     if dist.is_initialized():
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # for the log only: after the ledger's count
@@ -465,13 +468,13 @@ def build_model(Engine, cfg, device, dtype, checkpoint_activations=False):
 
 def pick_run_dtype(args, device, rank, stage):
     """The run's dtype (--dtype, or auto's choice), rank 0's for every rank (a timed probe must not split them), said
-    by rank 0 with the reason; in fp16, the loss scaler turned on."""
+    by rank 0 with the reason, and its loss scaler (on in fp16 only)."""
     dtype, why = from_rank0(pick_dtype(args.dtype, device) if rank == 0 else None)
     args.dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    scaler.__init__(enabled=dtype == torch.float16)
+    scaler = LossScaler(enabled=dtype == torch.float16)
     if rank == 0:
         print(f"{stage}: {args.dtype} ({why})" + f"; loss scale from {scaler.scale:g}" * scaler.enabled, flush=True)
-    return dtype
+    return dtype, scaler
 
 def main(Engine, stage, distributed=True, formula=None):
     """Train with `Engine`; `stage` names the run, `formula` the stage whose memory model applies (default: stage).
@@ -489,7 +492,7 @@ def main(Engine, stage, distributed=True, formula=None):
     check_args(args, world_size, rank)
     data = CharData(load_text(args.data), cfg.block_size)
     cfg.vocab_size = max(cfg.vocab_size, len(data.chars))
-    dtype = pick_run_dtype(args, device, rank, stage)
+    dtype, scaler = pick_run_dtype(args, device, rank, stage)  # the loop owns fp16's loss scaler, and passes it
     plan = plan_checkpoints(args, cfg, data.chars, rank, world_size)  # the steps [start, end), the checkpoints
     check_profile(args, plan, rank)
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
@@ -506,7 +509,7 @@ def main(Engine, stage, distributed=True, formula=None):
     for step in run.steps():
         try:
             with run.watch(step) as measured:  # measured: a dict at the step the memory meter measures, else None
-                loss, grad_norm, sent = train_step(engine, data, args, step, device, measured)
+                loss, grad_norm, sent = train_step(engine, data, args, step, device, scaler=scaler, measured=measured)
         except NonFiniteGradNorm as e:  # every rank meets it at the same step: the norm is global
             stop(f"error: step {step}: the global gradient norm is {e}, so no update was made"
                  + (f"; the checkpoints in {plan.ckpt_dir} are intact" if plan.ckpt_dir else "")

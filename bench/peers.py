@@ -130,11 +130,11 @@ class DDPPeer:
     def backward(self, loss, sync):
         loss.backward()  # DDP's hooks all-reduce (average) its buckets asynchronously; it waits at the end
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         self.micro = 0
         grad = torch.cat([p.grad.view(-1) for p in self.params]).float()
         norm = torch.linalg.vector_norm(grad)
-        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip)), lr)
+        self.optimizer.step(grad.mul_(clip_coef(norm, self.args.grad_clip, scaler)), lr)
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.master_views)
         for p in self.params:
@@ -176,11 +176,11 @@ class ZeroRedundancyPeer(DDPPeer):
         self.owned = [(p, m) for p, m in zip(self.params, self.master_views) if id(m) in owned]
         self.micro = 0
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         self.micro = 0
         grads = [p.grad for p in self.params]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, dtype=torch.float32)))
-        coef = clip_coef(norm, self.args.grad_clip)
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
         for p, m in self.owned:  # only this rank's shard is stepped: it alone needs fp32 gradients
             m.grad = p.grad.float().mul_(coef)
         for g in self.optimizer.param_groups:
@@ -246,12 +246,12 @@ class FSDP2Peer:
     def backward(self, loss, sync):
         loss.backward()  # every micro-step reduce-scatters into the sharded fp32 gradients, as our stages 2 and 3
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         local = [p.grad.to_local() for p in self.params]
         sq = torch.stack(torch._foreach_norm(local, dtype=torch.float32)).square().sum()
         dist.all_reduce(sq, op=dist.ReduceOp.SUM)  # the shards' squares: the global norm
         norm = sq.sqrt()
-        torch._foreach_mul_(local, clip_coef(norm, self.args.grad_clip))
+        torch._foreach_mul_(local, clip_coef(norm, self.args.grad_clip, scaler))
         self.optimizer.param_groups[0]["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

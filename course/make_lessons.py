@@ -29,10 +29,10 @@ from make_exercise import replace_regions  # noqa: E402
 LESSONS = [
     ("1_zero1", "stage0_ddp.py", "stage1.py", "optimizer states partitioned (ZeRO-1)"),
     ("2_zero2", "stage1.py", "stage2.py", "gradients partitioned (ZeRO-2)"),
-    ("3_zero3", "stage2.py", "stage3.py - Recompute", "parameters partitioned (ZeRO-3): units gathered, prefetched, freed"),
+    ("3_zero3", "stage2.py", "stage3.py - Recompute", "parameters partitioned (ZeRO-3): units gathered, freed"),
     ("4_recompute", "stage3.py - Recompute", "stage3.py", "a unit gathered again for its recompute (activation checkpointing)"),
     ("5_offload", "stage3.py", "offload.py - Copy stream - ZeRO-3 Offload - DPU",
-     "the optimizer on the CPU (ZeRO-Offload): C++ AdamW on host shards, copies down and up on the compute stream"),
+     "the optimizer on the CPU (ZeRO-Offload): C++ AdamW"),
     ("6_copy_stream", "offload.py - Copy stream - ZeRO-3 Offload - DPU", "offload.py - ZeRO-3 Offload - DPU",
      "the copies on a stream of their own, beside compute"),
     ("7_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
@@ -101,12 +101,29 @@ def lesson(before, after):
     return diff, changed(code_a, code_b), changed(prose_a, prose_b)
 
 
+def diffs(before, after):
+    """What a lesson's diff compares, as README's table says it: 'stage0_ddp.py → stage1.py'; the idea fenced in one
+    file, 'offload.py: [DPU]'; between two files, the later lessons' regions left out of the second: 'stage3.py →
+    offload.py, less lessons 6-9'."""
+    path_a, *less_a = [part.strip() for part in before.split(" - ")]
+    path_b, *less_b = [part.strip() for part in after.split(" - ")]
+    if path_a == path_b:
+        return f"{path_b}: " + ", ".join(f"[{tag}]" for tag in less_a if tag not in less_b)
+    later = [name.split("_")[0] for name, a, b, _ in LESSONS if a.split(" - ")[0] == b.split(" - ")[0] == path_b
+             and set(less_b) & set(a.split(" - ")[1:]) - set(b.split(" - ")[1:])]
+    if not later:
+        return f"{path_a} → {path_b}"
+    numbers = later[0] if len(later) == 1 else f"{later[0]}-{later[-1]}"
+    return f"{path_a} → {path_b}, less lesson{'s' * (len(later) > 1)} {numbers}"
+
+
 def table():
-    """README's rows: | `NN_name.diff` | code | comments and docstrings | the idea |."""
-    rows = ["| lesson (`course/lessons/`) | code lines changed | comment and docstring lines | the idea |", "|---|---|---|---|"]
+    """README's rows: | `NN_name` | what its diff compares | code lines changed, comment and docstring lines | the idea |,
+    each within 120 columns."""
+    rows = ["| lesson (`course/lessons/*.diff`) | diff of | lines: code, prose | the idea |", "|---|---|---|---|"]
     for name, before, after, idea in LESSONS:
         _, code, other = lesson(before, after)
-        rows.append(f"| `{name}.diff`: {shown(before)} → {shown(after)} | {code} | {other} | {idea} |")
+        rows.append(f"| `{name}` | {diffs(before, after)} | {code}, {other} | {idea} |")
     return "\n".join(rows)
 
 

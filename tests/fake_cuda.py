@@ -79,9 +79,11 @@ def tensors(arguments):
     return [(f"{n}[{i}]" if isinstance(v, (list, tuple)) else n, t) for n, v in arguments
             for i, t in enumerate(v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
 
+PLUMBING = ("comm.py", "instruments.py", "devices.py")  # the files every stage calls through, never the culprit
+
 def where(stack=None):
     """file:line of the innermost frame in the project (the repository or the stage's folder, not tests/); if that is
-    in the plumbing every stage shares (the comm ledger, devices.py), its caller's, "via" the plumbing's. Of this
+    in the plumbing every stage shares (comm.py, instruments.py, devices.py), its caller's, "via" the plumbing's. Of this
     thread's stack, or of `stack`: (file, line) pairs, innermost first."""
     frames = ["?"]
     for file, lineno in stack if stack is not None else this_stack(sys._getframe(1)):
@@ -89,11 +91,11 @@ def where(stack=None):
         d = next((d for d in state.dirs if path.startswith(d + os.sep)), None)
         if d and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path:
             frames.insert(-1, f"{os.path.relpath(path, d)}:{lineno}")
-    caller = next((fr for fr in frames if fr.split(":")[0] not in ("instruments.py", "devices.py")), frames[0])
+    caller = next((fr for fr in frames if fr.split(":")[0] not in PLUMBING), frames[0])
     return caller + f" (via {frames[0]})" * (caller != frames[0])
 
 def call_stack(depth=3):
-    """The project's innermost `depth` frames of this thread but the shared plumbing's (the comm ledger,
+    """The project's innermost `depth` frames of this thread but the shared plumbing's (comm.py, instruments.py,
     devices.py), 'file:line < its caller's file:line < ...'."""
     frames = []
     for file, lineno in this_stack(sys._getframe(1)):
@@ -101,7 +103,7 @@ def call_stack(depth=3):
         d = next((d for d in state.dirs if path.startswith(d + os.sep)), None)
         if d and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path:
             name = os.path.relpath(path, d)
-            if name not in ("instruments.py", "devices.py"):
+            if name not in PLUMBING:
                 frames.append(f"{name}:{lineno}")
     return " < ".join(frames[:depth]) or "?"
 

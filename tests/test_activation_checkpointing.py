@@ -34,7 +34,7 @@ CHECKED = '''
 import importlib.util, os, sys
 sys.path.insert(0, {root!r})
 import torch.utils.checkpoint
-from instruments import comm
+from comm import comm
 
 spec = importlib.util.spec_from_file_location("checked_stage", {script!r})
 stage = importlib.util.module_from_spec(spec)

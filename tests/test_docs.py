@@ -12,18 +12,22 @@ import results  # noqa: E402
 
 
 def test_readme_is_a_first_page():
-    """README.md is a learner's page: at most 200 lines and 16 KB; its first screen holds the install (the CPU build's
-    advice before it), the training command and the test command that .ci/run calls; its first 40 lines, the reading
-    order, with Ψ defined where it is first used."""
+    """README.md is a learner's page: at most 200 lines and 16 KB; its first screen opens with what a learner types, a
+    line each: the CPU build of torch, the install, the training command, the learner's check (saying that its first
+    run compiles the C++ AdamW) and the test command that .ci/run calls; its first 40 lines, the reading order, with Ψ
+    defined where it is first used."""
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 200 and len(text.encode()) <= 16 * 1024, (
         f"README.md is {len(text.splitlines())} lines, {len(text.encode()):,} bytes: at most 200 and 16 KB; move "
         "detail into the folder that it documents")
     first_screen = "\n".join(text.splitlines()[:24])
-    commands = re.search(r"^```bash\n(.*?)^```", first_screen, re.S | re.M).group(1).splitlines()
-    assert commands[0].startswith("pip install -r requirements.txt && ") and "torchrun" in commands[0]
-    assert commands[1] == "python -m pytest tests"
-    assert first_screen.index("download.pytorch.org/whl/cpu") < first_screen.index("```bash")
+    lines = re.search(r"^```bash\n(.*?)^```", first_screen, re.S | re.M).group(1).splitlines()
+    commands = [re.sub(r"\s+#.*$", "", line) for line in lines]
+    assert commands[0].startswith("pip install torch==") and commands[0].endswith("download.pytorch.org/whl/cpu")
+    assert "without a GPU" in lines[0], "README's first line must say that the CPU build is for a machine without a GPU"
+    assert commands[1] == "pip install -r requirements.txt" and commands[2].startswith("OMP_NUM_THREADS=1 torchrun ")
+    assert commands[3:] == ["python -m pytest tests -m quick", "python -m pytest tests"], commands
+    assert "compiles the C++ AdamW" in lines[3], "README's learner's check must say that its first run compiles"
     path = "\n".join(text.splitlines()[:40])  # the first 40 lines: a path through the files
     assert all(s in path for s in ("## Reading order", "1. `train_gpt.py`", "2. `stage0_ddp.py`", "course/lessons")), (
         "README's reading order is not in its first 40 lines")

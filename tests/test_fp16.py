@@ -83,7 +83,7 @@ class Overflowing(Engine):
         if hook is not None:
             hook.remove()
 
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         if self.step_now == STEP:
             finite = all(bool(torch.isfinite(self.grad(p)[1]).all()) for _, p in trained(self.model))
             before = held(self)
@@ -91,7 +91,7 @@ class Overflowing(Engine):
             watchdog = threading.Timer(60, lambda: (print(f"error: step {{STEP}} did not end in 60 s on this rank: do "
                                                           "the ranks disagree on skipping it?", flush=True), os._exit(3)))
             watchdog.start()
-        norm = super().step(lr)
+        norm = super().step(lr, scaler)
         if self.step_now == STEP:
             watchdog.cancel()
             after = held(self)
@@ -300,17 +300,14 @@ def test_scaler_doubles_after_a_window_halves_on_overflow_and_keeps_its_floor():
     assert (off.scale, off.skipped) == (1.0, 0)  # bf16 and fp32: no scaling, nothing skipped
 
 
-def test_clip_coef_unscales_exactly_and_skips_above_the_floor(monkeypatch):
-    monkeypatch.setattr(train_gpt, "scaler", LossScaler(enabled=True))
+def test_clip_coef_unscales_exactly_and_skips_above_the_floor():
+    scaler = LossScaler(enabled=True)
     for true_norm, max_norm in [(7.3, 1.0), (0.2, 1.0), (7.3, 0.0)]:
-        plain = LossScaler()
-        with monkeypatch.context() as m:
-            m.setattr(train_gpt, "scaler", plain)
-            unscaled = clip_coef(torch.tensor(true_norm, dtype=torch.float64), max_norm)
-        scaled = clip_coef(torch.tensor(true_norm * 2.0**16, dtype=torch.float64), max_norm)
+        unscaled = clip_coef(torch.tensor(true_norm, dtype=torch.float64), max_norm, LossScaler())
+        scaled = clip_coef(torch.tensor(true_norm * 2.0**16, dtype=torch.float64), max_norm, scaler)
         assert float(scaled) == float(unscaled) / 2.0**16, (true_norm, max_norm)  # a power of two: exact
-    assert clip_coef(torch.tensor(math.inf, dtype=torch.float64), 1.0) is None
-    assert clip_coef(torch.tensor(math.nan, dtype=torch.float64), 1.0) is None
-    train_gpt.scaler.scale = 1.0  # at the floor: an overflow stops the run
+    assert clip_coef(torch.tensor(math.inf, dtype=torch.float64), 1.0, scaler) is None
+    assert clip_coef(torch.tensor(math.nan, dtype=torch.float64), 1.0, scaler) is None
+    scaler.scale = 1.0  # at the floor: an overflow stops the run
     with pytest.raises(train_gpt.NonFiniteGradNorm, match=r"at the loss scale's floor \(1\)"):
-        clip_coef(torch.tensor(math.inf, dtype=torch.float64), 1.0)
+        clip_coef(torch.tensor(math.inf, dtype=torch.float64), 1.0, scaler)

@@ -25,9 +25,9 @@ from train_gpt import SingleDeviceEngine, main
 class DelayedReference(SingleDeviceEngine):
     """The reference, updated one step late: step t's update is computed from step t's gradients as usual, but the
     model goes on with the weights of the update before it, so step t+1 runs on the weights of update t-1."""
-    def step(self, lr):
+    def step(self, lr, scaler=None):
         previous = [m.clone() for m in self.master]
-        norm = super().step(lr)
+        norm = super().step(lr, scaler)
         for p, m in zip(self.params, previous):
             p.data.copy_(m)
         return norm

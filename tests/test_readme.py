@@ -11,24 +11,26 @@ sys.path.insert(0, str(ROOT / "course"))
 from make_lessons import LESSONS, lesson, table  # noqa: E402
 
 # each lesson (course/make_lessons.py): the most code lines, and the most other lines, it may change
-LESSON_LIMITS = {"1_zero1": (50, 60), "2_zero2": (40, 40), "3_zero3": (75, 60), "4_recompute": (5, 5),
+LESSON_LIMITS = {"1_zero1": (50, 60), "2_zero2": (40, 40), "3_zero3": (75, 62), "4_recompute": (5, 5),
                  "5_offload": (60, 65), "6_copy_stream": (15, 10), "7_offload_params": (15, 12),
                  "8_delayed_update": (30, 20)}  # offload's ideas: at most 60 code lines each
 # the fenced lessons (an idea inside a file): the most regions each may fence, in the file that holds it
 FENCED_REGIONS = {("stage3.py", "Recompute"): 2, ("offload.py", "Copy stream"): 2, ("offload.py", "ZeRO-3 Offload"): 4,
                   ("offload.py", "DPU"): 6}
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
-MOST_LINES = {"train_gpt.py": 530, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 285,
-              "offload.py": 436}
+MOST_LINES = {"train_gpt.py": 530, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 290,
+              "offload.py": 445}
 WIDTH = 120
 
 
 def test_lesson_table_matches_the_files():
     """README's table of lessons is what course/make_lessons.py counts in the files as they are, row for row."""
-    rows = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| `") and ".diff`" in ln]
+    rows = [ln for ln in (ROOT / "README.md").read_text().splitlines() if re.match(r"\| `\d+_\w+` \|", ln)]
     expected = [ln for ln in table().splitlines() if ln.startswith("| `")]
     assert rows == expected, ("README's table of lessons differs from the files; paste `python course/make_lessons.py`'s "
                               "table:\n" + "\n".join(expected))
+    wide = [row for row in rows if len(row) > WIDTH]
+    assert not wide, f"rows of README's table of lessons wider than {WIDTH} columns (shorten the idea):\n" + "\n".join(wide)
 
 
 @pytest.mark.parametrize("name, before, after", [lesson[:3] for lesson in LESSONS], ids=[n for n, *_ in LESSONS])

@@ -122,7 +122,7 @@ def test_every_collective_goes_through_the_ledger(runner, stage_file, nproc):
         got = seen["calls"].get(op, 0)
         want = comm["calls"].get(op, 0)
         assert got == want, (f"{where}: the process group saw {got} call(s) of {op} in the measured step, the ledger "
-                             f"{want}: a collective called outside instruments.comm (on torch.distributed directly?)")
+                             f"{want}: a collective called outside comm.py (on torch.distributed directly?)")
     for op in sorted(set(seen["sent"]) | set(ledger)):
         got = seen["sent"].get(op, 0.0)
         want = ledger.get(op, 0.0)
@@ -200,14 +200,20 @@ main(Leaky, stage="stage1")
 
 def test_other_bound_fails_a_stage_that_keeps_a_copy(runner, tmp_path, request):
     """The positive control of test_freed_what_the_stage_promises: stage 1 with a whole fp32 copy of its parameters
-    kept outside model_states() (4Ψ more per rank) exceeds the bound."""
+    kept outside model_states() (4Ψ more per rank) exceeds the bound; and the table the run ends with shows it without
+    the engine's word: `other` counts its bytes, and names the attribute that holds them (engine.copy)."""
     if request.config.getoption("stage"):
         pytest.skip("a control on the repository's stage 1")
     leaky = tmp_path / "leaky_stage1.py"
     leaky.write_text(LEAKY_STAGE1)
-    s = runner.run(str(leaky), 2, *MODEL, *TRAIN, *BUCKETS).summary
+    run = runner.run(str(leaky), 2, *MODEL, *TRAIN, *BUCKETS)
+    s = run.summary
     assert check_other(s) is not None, (f"a stage 1 that keeps a whole fp32 copy holds {s['other_tensor_bytes']:,} "
                                         f"bytes beyond its states, within the bound {other_allowed(s):,}")
+    copy = s["padded_numel"] * 4
+    assert s["other_named"].get("copy") == copy, f"the copy ({copy:,} bytes) is not named in {s['other_named']}"
+    assert s["live_tensor_bytes"] >= sum(v["measured"] for v in s["model_state_bytes"].values()) + copy, s
+    assert f"engine.copy {copy / 2**20:.2f} MiB" in " ".join(run.stdout.split()), run.stdout
 
 
 def test_peak_memory_falls_stage_by_stage(runner, request):

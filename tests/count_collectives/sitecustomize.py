@@ -3,7 +3,7 @@ a stage that calls torch.distributed directly, a library. Python imports this fi
 on PYTHONPATH (conftest.Runner puts it there for the runs of the CPU suite). torch.distributed's collective functions
 are wrapped, in both namespaces a caller can import them from (torch.distributed and its distributed_c10d); each call
 adds, under the ledger's name for it, one call and the bytes this rank sends with ring algorithms, as
-instruments.CommLedger counts its own: an all-reduce 2(N-1)/N of its tensor, a reduce-scatter (N-1)/N of its input, an
+comm.CommLedger counts its own: an all-reduce 2(N-1)/N of its tensor, a reduce-scatter (N-1)/N of its input, an
 all-gather (N-1)/N of its output, anything else (N-1)/N of the tensors it is given. The counts live in
 torch.distributed.sent_at_process_group (bytes) and calls_at_process_group; instruments.Run reads them on the step
 it measures, beside the ledger's. A collective called inside another (all_gather_object's all_gather) is the outer
