@@ -314,8 +314,8 @@ class OffloadEngine:
         # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
         self.copies.landed()
         # this shard's squares, summed on the host, filled into a scalar on the device (a copy up would block the host)
-        norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64,
-                          device=self.buckets[0].param.device)
+        device = self.buckets[0].param.device
+        norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64, device=device)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip, scaler)

@@ -21,11 +21,11 @@ BATTERY = [
      r"c10d reduce_scatter\w*: output cpu\[\d+\] \(made at stage2\.py:{line}\)",
      "the reduce-scatter's output made on the host by empty_like(..., device='cpu') of a GPU tensor",
      "placement by intent (the project named cpu), then NCCL's rule: a collective's tensors on this rank's GPU"),
-    ("dropped_to_device", "offload.py", r"(norm = torch\.full\(.*), device=self\.device\)", [r"\1)"], [],
+    ("dropped_to_device", "offload.py", r"(norm = torch\.full\(.*), device=device\)", [r"\1)"], [],
      r"offload\.py:{next} .*c10d all_reduce: tensor cpu\[1\]",
      "the norm of the host's gradient shard all-reduced from a host tensor (torch.full without device=)",
      "NCCL's rule: the all-reduce's tensor is on the host"),
-    ("collective_output_on_host", "stage2.py", r"comm\.all_gather\(b\.param,(.*# every rank's shard.*)",
+    ("collective_output_on_host", "stage2.py", (r"def step\(self, lr", r"comm\.all_gather\(b\.param,(.*)"),
      [r"comm.all_gather(b.param.cpu(),\1"], [],
      r"stage2\.py:{line} .*c10d all_gather\w*: output(_tensor)? cpu\[\d+\] \(made at stage2\.py:{line}\)",
      "the parameters all-gathered into a host copy (.cpu()) of the bucket",
@@ -59,7 +59,9 @@ BATTERY = [
 @pytest.mark.parametrize("name, pattern, new, args, expected, mistake, caught_by", [b[1:] for b in BATTERY],
                          ids=[b[0] for b in BATTERY])
 def test_planted_gpu_mistake_is_refused(tmp_path, name, pattern, new, args, expected, mistake, caught_by):
-    script, line = changed(tmp_path, name, pattern, *new)
+    # a pattern (after, pattern): the first line matching `pattern` below the one line matching `after`
+    after, pattern = pattern if isinstance(pattern, tuple) else (None, pattern)
+    script, line = changed(tmp_path, name, pattern, *new, after=after)
     found = refused(tmp_path, script, *args)
     want = expected.format(line=line, next=line + 1)
     assert any(re.search(want, m) for m in found), \
