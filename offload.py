@@ -46,10 +46,13 @@ class Copies:
         if self.cuda:
             self.stream.synchronize()
 
+    def joined(self):
+        """What the compute stream runs next runs after every copy queued so far: on one stream, it does already."""
+
 # [Copy stream] with CUDA, the copies run on a stream of their own, beside compute instead of between it
 class CopyStream(Copies):
-    """Copies on a copy stream: each waits for the work queued so far on the compute stream, and landed() waits for
-    the copy stream alone. Whatever the host queues after landed() runs after the copies: no event joins the streams."""
+    """Copies on a copy stream: each waits for the work queued so far on the compute stream; landed() waits for the
+    copy stream alone, and joined() makes the compute stream wait for it (the host goes on)."""
     def __init__(self, device):
         super().__init__(device)
         self.stream = torch.cuda.Stream(device)
@@ -62,6 +65,9 @@ class CopyStream(Copies):
         for t in [t for t in (src, dst) if t.is_cuda]:
             t.record_stream(self.stream)
         return dst
+
+    def joined(self):
+        torch.cuda.current_stream().wait_stream(self.stream)
 # [/Copy stream]
 
 class Bucket:
@@ -340,8 +346,8 @@ class OffloadEngine:
             self._adam_step(self.grad_shard, self._shard_range(b), self.optimizer.t, lr, float(coef))
             self._send(self._shard_range(b))
         self._drop_gradient()
-        # the new parameters have landed before the next forward gathers them and the next update rewrites staging
-        self.copies.landed()
+        # The next forward's gathers run after the copies up; the host goes on (staging waits for the next landed()).
+        self.copies.joined()
         return norm
 
     def _drop_gradient(self):
@@ -352,10 +358,9 @@ class OffloadEngine:
     def _adam_step(self, grad_shard, sh, step, lr, coef):
         """C++ AdamW on this rank's elements sh, clipping the gradient by coef and writing the new parameters into
         staging in the same pass (the host has waited for staging's last copies up)."""
-        a = self.args
         self.adam.adam_step(self.master[sh], grad_shard[sh], self.optimizer.exp_avg[sh], self.optimizer.exp_avg_sq[sh],
-                            self.staging[sh], step=step, lr=lr, beta1=a.beta1, beta2=a.beta2,
-                            eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)
+                            self.staging[sh], step=step, lr=lr, beta1=self.args.beta1, beta2=self.args.beta2,
+                            eps=self.optimizer.eps, weight_decay=self.args.weight_decay, grad_scale=coef)
     # [/Offload]
 
     def _send(self, sh):  # staging's new parameters [sh] up to the parameter shard
@@ -392,9 +397,9 @@ class OffloadEngine:
             self.copies.landed()
     # [/DPU]
 
+    # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
-        """---- for checkpoints and the ledgers; skip on a first reading ---- (lo, view): the elements [lo, lo +
-        view.numel()) of p's averaged gradient this rank holds."""
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds."""
         # every copy queued so far has landed: the gradient shard's too
         self.copies.landed()
         lo, hi, at = self._piece_of(p)

@@ -250,9 +250,9 @@ class ZeRO3Engine:
         """The step used (or skipped) this gradient: the next one starts from zero."""
         self.grad_shard.zero_()
 
+    # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
-        """---- for checkpoints and the ledgers; skip on a first reading ---- (lo, view): the elements [lo, lo +
-        view.numel()) of p's averaged gradient this rank holds."""
+        """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds."""
         lo, hi, at = self._piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 

@@ -19,7 +19,7 @@ FENCED_REGIONS = {("stage3.py", "Recompute"): 2, ("offload.py", "Copy stream"): 
                   ("offload.py", "DPU"): 6}
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
 MOST_LINES = {"train_gpt.py": 530, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 290,
-              "offload.py": 445}
+              "offload.py": 450}
 WIDTH = 120
 
 
