@@ -52,9 +52,9 @@ BATTERY = {
         flags=[], nproc=1,
         at=r"b\.grad = b\.reduced = b\.work = None",
         says=rf"stream order: memory freed: {COPY_STREAM} may still use it \(aten\.copy_ {COPY}\)"),
-    "params_not_landed": dict(  # 2 steps: the memory meter around step 1 must not order the streams across it
-        file="offload.py", line=r"^\s*self\.copies\.landed\(\)$", after=r"the new parameters have landed before",
-        new=["pass  # no landed()"], flags=["--steps", "2"], nproc=1,
+    "params_not_joined": dict(  # 2 steps: the memory meter around step 1 must not order the streams across it
+        file="offload.py", line=r"^\s*self\.copies\.joined\(\)$", after=r"def step\(self, lr",
+        new=["pass  # no joined()"], flags=["--steps", "2"], nproc=1,
         at=r"b\.gather = comm\.all_gather\(b\.param, self\.param_shard",
         says=rf"stream order: c10d all_gather\w* on the nccl stream: touches memory that {COPY_STREAM} wrote in "
              rf"aten\.copy_ {COPY}"),
