@@ -83,7 +83,7 @@ SLIPS = {
         ["tests/test_ideas.py::test_the_idea_is_there[offload-Copy_stream]"],
         "CopyStream queues its copies on the compute stream: no copy stream (graded by idea)"),
     "offload_dropped_weight_decay": (
-        "offload.py", "eps=self.optimizer.eps, weight_decay=a.weight_decay, grad_scale=coef)",
+        "offload.py", "eps=self.optimizer.eps, weight_decay=self.args.weight_decay, grad_scale=coef)",
         "eps=self.optimizer.eps, weight_decay=0.0, grad_scale=coef)",
         ["tests/test_fp16.py::test_fp16_parity_and_ledgers[offload]"],
         "offload's C++ AdamW called without its weight decay (fp16: the tolerance's margin)"),
