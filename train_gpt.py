@@ -83,8 +83,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.checkpoint_activations = checkpoint_activations  # --checkpoint_activations: see forward
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        # init_weight draws every weight: the embeddings skip their own draw (on meta, normal_ imports torch._dynamo)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd, _weight=torch.empty(cfg.vocab_size, cfg.n_embd))
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

@@ -43,9 +43,10 @@ def check(p, reports, ranks):
 
 
 def test_largest_quick_at_n2(tmp_path):
-    """Every stage's search at N = 2 (--quick's width, within half its budget: fewer layers to probe)."""
+    """Every stage's search at N = 2 (--quick's width, within a quarter of its budget: fewer layers to probe; each
+    stage still probes a depth that fits and one that does not)."""
     out = tmp_path / "out"
-    p, reports = on_fake_cuda(tmp_path, "bench/largest.py", "--quick", "--budget_mb", "12", "--world_sizes", "2",
+    p, reports = on_fake_cuda(tmp_path, "bench/largest.py", "--quick", "--budget_mb", "6", "--world_sizes", "2",
                               "--device", "cuda", "--out_dir", str(out))
     check(p, reports, ranks=2)
     rows = json.loads((out / "largest.json").read_text())["rows"]

@@ -78,13 +78,13 @@ def test_the_construction_check_catches_a_whole_model(tmp_path):
         assert r["at_broadcast"] >= r["param_shard"] + r["whole"] - r["unit"] > r["param_shard"] + r["unit"] + SLACK
 
 
-def largest_quick(out_dir, *switch, stages=None, world_sizes=(1, 2, 4)):
+def largest_quick(out_dir, *switch, stages=None, world_sizes=(1, 2, 4), budget_mb=24):
     """bench/largest.py --quick [switch...] into out_dir, for `stages` (default: every stage) at `world_sizes`:
     {(stage, N): row}, what it printed, and its largest.json."""
     out = out_dir / "rows.json"
     stages = stages or [s for s in largest.SCRIPTS if s not in largest.FLAGS]
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "largest.py"), "--quick", *switch, "--stages", *stages,
-                        "--world_sizes", *map(str, world_sizes), "--out", str(out), "--out_dir", str(out_dir)],
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "largest.py"), "--quick", "--budget_mb", str(budget_mb),
+                        *switch, "--stages", *stages, "--world_sizes", *map(str, world_sizes), "--out", str(out), "--out_dir", str(out_dir)],
                        capture_output=True, text=True, cwd=ROOT, timeout=1800,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -92,7 +92,7 @@ def largest_quick(out_dir, *switch, stages=None, world_sizes=(1, 2, 4)):
     assert set(rows) == {(s, n) for s in stages for n in world_sizes}
     for r in rows.values():
         assert set(r) >= {"stage", "world_size", "largest_params", "predicted_params"}
-        assert r["largest_params"] > 0 and r["peak_mib"] <= 24, r
+        assert r["largest_params"] > 0 and r["peak_mib"] <= budget_mb, r
     assert (out_dir / "largest.png").exists() and (out_dir / "table.md").exists()
     return rows, p.stdout, out_dir / "largest.json"
 
@@ -100,10 +100,14 @@ def largest_quick(out_dir, *switch, stages=None, world_sizes=(1, 2, 4)):
 def test_largest_quick(tmp_path):
     """The headline, measured in a minute: stage 3 at N=4 trains at least 2.5x the parameters stage 0 does at N=4
     within the same budget; offload at N=1 more than stage 0 at N=1. (The rows these need: every stage's --quick
-    search at N = 2 runs on the fake CUDA device, in test_bench_fake_cuda.py.)"""
-    rows, stdout, _ = largest_quick(tmp_path / "n1", stages=["stage0", "stage3", "offload"], world_sizes=(1,))
+    search at N = 2 runs on the fake CUDA device, in test_bench_fake_cuda.py.)
+    The budget is 25 MiB, not --quick's 24: at 24, stage 3's 13th layer at N = 4 (2.57x stage 0's 5 layers) peaked
+    at 24.3 MiB in one run and under 24 in another (when the collectives' asynchronous buffers are freed, as
+    bench/largest.py says), which decided the assertion. At 25, 13 layers fit with room and stage 0's 6th layer
+    (26.9 MiB) still does not: the same assertion, away from the edge of a layer."""
+    rows, stdout, _ = largest_quick(tmp_path / "n1", stages=["stage0", "stage3", "offload"], world_sizes=(1,), budget_mb=25)
     # (offload at N = 4, the largest search, is no assertion's)
-    rows4, stdout4, _ = largest_quick(tmp_path / "n4", stages=["stage0", "stage3"], world_sizes=(4,))
+    rows4, stdout4, _ = largest_quick(tmp_path / "n4", stages=["stage0", "stage3"], world_sizes=(4,), budget_mb=25)
     rows.update(rows4)
     stdout += stdout4
     assert rows["stage3", 4]["largest_params"] >= 2.5 * rows["stage0", 4]["largest_params"], stdout[-3000:]

@@ -18,7 +18,7 @@ LESSON_LIMITS = {"1_zero1": (50, 60), "2_zero2": (40, 40), "3_zero3": (75, 62), 
 FENCED_REGIONS = {("stage3.py", "Recompute"): 2, ("offload.py", "Copy stream"): 2, ("offload.py", "ZeRO-3 Offload"): 4,
                   ("offload.py", "DPU"): 6}
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
-MOST_LINES = {"train_gpt.py": 530, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 290,
+MOST_LINES = {"train_gpt.py": 535, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 290,
               "offload.py": 450}
 WIDTH = 120
 
