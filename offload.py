@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from comm import comm
-from devices import load_cpu_adam, set_cpu_adam_threads
+from devices import load_cpu_adam
 from train_gpt import (AdamW, Misuse, clip_coef, main, output_tensors, require, share_rank0s,
                        trained, units_of)
 
@@ -94,23 +94,15 @@ class OffloadEngine:
     @staticmethod
     def add_args(parser):
         parser.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
-        # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too
-        parser.add_argument("--offload_params", action="store_true", help="keep the parameter shard on the CPU too "
-                            "(with --grad_accum > 1 the gradient shard is summed on the device)")
-        # [/ZeRO-3 Offload]
-        # [DPU] --delayed_update: step t's CPU update runs during step t+1
-        parser.add_argument("--delayed_update", action="store_true", help="run step t's CPU update during step t+1")
-        # [/DPU]
 
     def __init__(self, model, args, device, units=None):
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
+        # a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
         # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
         unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
         # the trained parameters, unit by unit (a unit with nothing to train gets no bucket and no hooks)
         params = list(unit_of)
-        # [/ZeRO-3]
         self.buckets = [Bucket(0, unit_of[params[0]])]
         self.bucket_of = {}  # parameter -> its bucket
         self.offset = {}  # parameter -> where its elements start in its bucket
@@ -124,9 +116,8 @@ class OffloadEngine:
         self.padded_numel = self._pad(self.buckets[-1])
 
         # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
-        # [ZeRO-3] this rank's shard of every bucket's parameters: the only parameters it keeps
+        # this rank's shard of every bucket's parameters: the only parameters it keeps
         self.param_shard = torch.empty(self.padded_numel // self.world_size, dtype=params[0].dtype, device=device)
-        # [/ZeRO-3]
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
@@ -138,10 +129,9 @@ class OffloadEngine:
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             # Once, before training, so that every rank starts from rank 0's weights.
             dist.broadcast(b.param, src=0)
-            # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
+            # keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
-            # [/ZeRO-3]
         # Frozen parameters and buffers are rank 0's too (buffers are broadcast again before each forward).
         share_rank0s(model, args)
         # [Offload] in host memory: the fp32 master, Adam's moments, the gradient shard and staging (for the copies up)
@@ -158,28 +148,18 @@ class OffloadEngine:
         if self.copies.cuda:
             self.copies = CopyStream(device)
         # [/Copy stream]
-        # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
-        if args.offload_params:
-            self.param_shard = self.copies.host(self.param_shard.numel(), params[0].dtype).copy_(self.param_shard)
-        # [/ZeRO-3 Offload]
-        # [DPU] --delayed_update: step t's update runs in a thread during step t+1
-        self.update = None
-        if args.delayed_update:
-            self._start_updater()
-        # [/DPU]
         self.in_flight = []
-        # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
+        # hook every unit's forward: gather its parameters just before, free them right after
         self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
-        # [/ZeRO-3]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
 
-    # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
+    # the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
         """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
@@ -193,30 +173,19 @@ class OffloadEngine:
     def _shard_range(self, b):
         """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
-    # [/ZeRO-1]
 
-    # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
+    # gather just in time (async, prefetching the next unit in the recorded order), free right after use
     def _gather(self, b):
         """Start gathering bucket b's full parameters from every rank's shard (asynchronously)."""
         # its storage is freed: neither gathered nor being gathered
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
-            # [ZeRO-3 Offload] the shard comes up, and the all-gather is issued on the copies' stream (NCCL waits for
-            # the current stream): it waits for the copy, and compute only for the gather, at b.gather.wait()
-            if self.args.offload_params:
-                shard = torch.empty_like(self._my_shard_of(b.param))
-                self.copies.copy(shard, self.param_shard[self._shard_range(b)])
-                with torch.cuda.stream(self.copies.stream):
-                    b.gather = comm.all_gather(b.param, shard, async_op=True)
-                return
-            # [/ZeRO-3 Offload]
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
     def _use(self, b, order):
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
-        # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
+        # b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         order = self.backward_order if b.waiting else order
-        # [/Recompute]
         # b's backward is over: a gradient reached an output of b's that does not depend on b's parameters
         if order is self.backward_order and not b.waiting:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
@@ -242,36 +211,32 @@ class OffloadEngine:
 
     def _after_forward(self, b, out):
         """Free b's parameters; if backward will come, gather them again just before it."""
-        # [Recompute] b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
+        # b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
-        # [/Recompute]
         # autograd's saved views of the parameters share the bucket's storage: they are freed too
         self._free(b)
         for t in output_tensors(out):
             if t.requires_grad:
                 t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
-    # [/ZeRO-3]
 
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
         b = self.bucket_of[p]
         # Only engine.backward arms this hook: it counts the gradients each bucket waits for.
         require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)
-        # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
+        # a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
-        # [/ZeRO-2]
         # The bucket holds the only copy of the gradient.
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
         # Every micro-step reduces its complete buckets: only the shard accumulates.
         if b.waiting == 0:
-            # [ZeRO-3] the bucket's backward is done: free its full parameters
+            # the bucket's backward is done: free its full parameters
             self._free(b)
-            # [/ZeRO-3]
-            # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
+            # reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
             # this rank's part of the sum, its shard's size; with --grad_accum, a step's first micro-step reduces
             # straight into grad_acc
             if self.grad_acc is not None and b.acc is None:
@@ -282,7 +247,6 @@ class OffloadEngine:
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
-            # [/ZeRO-2]
 
     # [Offload] wait for the reduce-scatter; on the last micro-step, copy the shard summed on the device to the CPU
     def _release(self, b):
@@ -313,10 +277,9 @@ class OffloadEngine:
         # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False
-        # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
+        # no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
-        # [/ZeRO-3]
         # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
         self.copies.landed()
         # this shard's squares, summed on the host, filled into a scalar on the device (a copy up would block the host)
@@ -331,24 +294,18 @@ class OffloadEngine:
             return norm
         self.optimizer.t += 1
         # [/Offload]
-        # [DPU] step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
-        if self.args.delayed_update:
-            # the update in flight goes up first (after a step skipped for an fp16 overflow: the one before it)
-            self._finish_update()
-            self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
-            # coef as a number on the host: the thread reads no device memory
-            self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr,
-                                              float(coef))
-            return norm
-        # [/DPU]
-        # bucket by bucket: a bucket's new parameters go up while the next bucket is updated
+        # coef as a number on the host: the C++ AdamW reads no device memory
+        self._update(lr, float(coef))
+        return norm
+
+    def _update(self, lr, coef):
+        """AdamW bucket by bucket: a bucket's new parameters go up while the next bucket is updated."""
         for b in self.buckets:
-            self._adam_step(self.grad_shard, self._shard_range(b), self.optimizer.t, lr, float(coef))
+            self._adam_step(self.grad_shard, self._shard_range(b), self.optimizer.t, lr, coef)
             self._send(self._shard_range(b))
         self._drop_gradient()
         # The next forward's gathers run after the copies up; the host goes on (staging waits for the next landed()).
         self.copies.joined()
-        return norm
 
     def _drop_gradient(self):
         """The step used (or skipped) this gradient: the next one starts from zero."""
@@ -364,38 +321,7 @@ class OffloadEngine:
     # [/Offload]
 
     def _send(self, sh):  # staging's new parameters [sh] up to the parameter shard
-        # [ZeRO-3 Offload] the parameter shard is in CPU memory: staging's values go there, once no copy reads it
-        if self.args.offload_params:
-            self.copies.landed()
-            return self.param_shard[sh].copy_(self.staging[sh])
-        # [/ZeRO-3 Offload]
         self.copies.copy(self.param_shard[sh], self.staging[sh])
-
-    # [DPU] the update in a thread: AdamW over the whole shard, sent up by the next step (an error stops the run)
-    def _start_updater(self):
-        """A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
-        the update runs beside forward and backward, so the C++ AdamW leaves them a core."""
-        self.spare_grad_shard = self.copies.host(self.master.numel(), self.grad_shard.dtype)
-        from concurrent.futures import ThreadPoolExecutor  # (this option's thread: imported only when asked for)
-        self.updater = ThreadPoolExecutor(1)
-        set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
-
-    def _cpu_update(self, grad_shard, step, lr, coef):
-        for b in self.buckets:
-            self._adam_step(grad_shard, self._shard_range(b), step, lr, coef)
-        grad_shard.zero_()
-
-    def _finish_update(self):
-        if self.update is not None:
-            update = self.update
-            self.update = None
-            # exception() waits for the update; an error in its thread stops the run in one line, nothing sent
-            if (e := update.exception()) is not None:
-                raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".split("\n")[0])
-            self._send(slice(None))
-            # for the next forward, and before the next update writes staging
-            self.copies.landed()
-    # [/DPU]
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
@@ -411,17 +337,10 @@ class OffloadEngine:
         # --grad_accum > 1: the gradient shard summed on the device
         if self.grad_acc is not None:
             states["grad_acc"] = [self.grad_acc]
-        # [DPU] its second gradient shard
-        if self.args.delayed_update:
-            states["grads"].append(self.spare_grad_shard)
-        # [/DPU]
         return states
 
     def state_pieces(self):
         """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
-        # [DPU] the update in flight lands first (a one-step shift)
-        self._finish_update()
-        # [/DPU]
         state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
         pieces = []
         for name, p in trained(self.model):
@@ -442,6 +361,105 @@ class OffloadEngine:
         """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
         self.param_shard.copy_(self.master)
+
+# [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
+# ZeRO-3 Offload (ZeRO-Infinity's name): the engine above, extended (the class keeps its name). With --offload_params
+# the parameter shard lives in host memory too, and each gather first brings this rank's shard of the unit up.
+class OffloadEngine(OffloadEngine):
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--offload_params", action="store_true", help="keep the parameter shard on the CPU too "
+                            "(with --grad_accum > 1 the gradient shard is summed on the device)")
+
+    def __init__(self, model, args, device, units=None):
+        super().__init__(model, args, device, units)
+        if args.offload_params:
+            on_host = self.copies.host(self.param_shard.numel(), self.param_shard.dtype)
+            self.param_shard = on_host.copy_(self.param_shard)
+
+    def _gather(self, b):
+        if not self.args.offload_params or b.param.untyped_storage().nbytes() > 0:
+            return super()._gather(b)
+        b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
+        # the shard comes up, and the all-gather is issued on the copies' stream (NCCL waits for the current stream):
+        # it waits for the copy, and compute only for the gather, at b.gather.wait()
+        shard = torch.empty_like(self._my_shard_of(b.param))
+        self.copies.copy(shard, self.param_shard[self._shard_range(b)])
+        with torch.cuda.stream(self.copies.stream):
+            b.gather = comm.all_gather(b.param, shard, async_op=True)
+
+    def _send(self, sh):
+        if not self.args.offload_params:
+            return super()._send(sh)
+        # the parameter shard is in CPU memory: staging's values go there, once no copy reads it
+        self.copies.landed()
+        self.param_shard[sh].copy_(self.staging[sh])
+# [/ZeRO-3 Offload]
+
+# [DPU] --delayed_update: step t's CPU update runs in a thread during step t+1
+# The delayed parameter update (the ZeRO-Offload paper's DPU), the engine above extended: with --delayed_update, step
+# t's AdamW runs in a thread during step t+1's forward and backward, and its parameters go up at the end of step t+1:
+# from the second step on, each forward runs on parameters one update old.
+class OffloadEngine(OffloadEngine):
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--delayed_update", action="store_true", help="run step t's CPU update during step t+1")
+
+    def __init__(self, model, args, device, units=None):
+        super().__init__(model, args, device, units)
+        self.update = None
+        if args.delayed_update:
+            self._start_updater()
+
+    def _update(self, lr, coef):
+        if not self.args.delayed_update:
+            return super()._update(lr, coef)
+        # step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
+        # (after a step skipped for an fp16 overflow: the update before it goes up)
+        self._finish_update()
+        self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
+        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, coef)
+
+    def _start_updater(self):
+        """A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
+        the update runs beside forward and backward, so the C++ AdamW leaves them a core."""
+        self.spare_grad_shard = self.copies.host(self.master.numel(), self.grad_shard.dtype)
+        # (this option's thread and cores: imported only when asked for)
+        from concurrent.futures import ThreadPoolExecutor
+        from devices import set_cpu_adam_threads
+        self.updater = ThreadPoolExecutor(1)
+        set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
+
+    def _cpu_update(self, grad_shard, step, lr, coef):
+        for b in self.buckets:
+            self._adam_step(grad_shard, self._shard_range(b), step, lr, coef)
+        grad_shard.zero_()
+
+    def _finish_update(self):
+        if self.update is not None:
+            update = self.update
+            self.update = None
+            # exception() waits for the update; an error in its thread stops the run in one line, nothing sent
+            if (e := update.exception()) is not None:
+                raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".split("\n")[0])
+            self._send(slice(None))
+            # for the next forward, and before the next update writes staging
+            self.copies.landed()
+
+    def model_states(self):
+        states = super().model_states()
+        # its second gradient shard
+        if self.args.delayed_update:
+            states["grads"].append(self.spare_grad_shard)
+        return states
+
+    def state_pieces(self):
+        # the update in flight lands first (a one-step shift)
+        self._finish_update()
+        return super().state_pieces()
+# [/DPU]
 
 if __name__ == "__main__":
     main(OffloadEngine, stage="offload")

@@ -2,7 +2,7 @@
 options.py: every option a run takes, with its default (`--help` lists them), and the checks that refuse a bad one,
 with one line that names the fix, before any work starts; and the lines an engine refuses a misuse with (Misuse).
 """
-import argparse, os, re
+import argparse, inspect, os, re
 from dataclasses import fields
 
 from checkpoint import add_checkpoint_args
@@ -18,7 +18,7 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(Engine, presets, config, argv=None):
     """The options of train_gpt.main, and the Engine's own (its add_args): the GPT (a preset, and overrides of its
     `config` fields), the data, the recipe, the run."""
-    p = argparse.ArgumentParser(description=(Engine.__doc__ or "").strip().split("\n")[0], formatter_class=Help)
+    p = argparse.ArgumentParser(description=(inspect.getdoc(Engine) or "").split("\n")[0], formatter_class=Help)
     p.add_argument("--preset", default="small", choices=sorted(presets), help="the GPT's size")
     for f in fields(config):
         p.add_argument(f"--{f.name}", type=int, default=None, help="override the preset")

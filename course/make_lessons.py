@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "course"))
-from make_exercise import replace_regions  # noqa: E402
+from make_exercise import BEGIN, END, replace_regions  # noqa: E402
 
 # (lesson, the step before, the step after, the idea). A step is a file, less the regions of the ideas after " - ".
 LESSONS = [
@@ -46,10 +46,22 @@ def without(source, tags):
     return "".join(replace_regions(source.splitlines(keepends=True), tags, lambda match, body: []))
 
 
+def unfenced(source):
+    """source with its other fences as plain comments: `# [ZeRO-3] what it does` reads `# what it does`, and a closing
+    `# [/ZeRO-3]` goes. The fences mark the exercises' regions; a lesson shows the code and its comments."""
+    lines = []
+    for line in source.splitlines(keepends=True):
+        if END.match(line):
+            continue
+        m = BEGIN.match(line.rstrip("\n"))
+        lines.append(f"{m.group('indent')}# {m.group('todo')}\n" if m else line)
+    return "".join(lines)
+
+
 def step(name, root=ROOT):
-    """The text of a step: 'stage3.py', or 'offload.py - DPU' (offload.py without its [DPU] regions)."""
+    """The text of a step: 'stage3.py', or 'offload.py - DPU' (offload.py without its [DPU] regions), unfenced."""
     path, *less = [part.strip() for part in name.split(" - ")]
-    return without((root / path).read_text(), less)
+    return unfenced(without((root / path).read_text(), less))
 
 
 def shown(name):

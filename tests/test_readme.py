@@ -12,14 +12,17 @@ from make_lessons import LESSONS, lesson, table  # noqa: E402
 
 # each lesson (course/make_lessons.py): the most code lines, and the most other lines, it may change
 LESSON_LIMITS = {"1_zero1": (50, 60), "2_zero2": (40, 40), "3_zero3": (75, 62), "4_recompute": (5, 5),
-                 "5_offload": (60, 65), "6_copy_stream": (15, 10), "7_offload_params": (15, 12),
-                 "8_delayed_update": (30, 20)}  # offload's ideas: at most 60 code lines each
+                 "5_offload": (65, 65), "6_copy_stream": (15, 10), "7_offload_params": (25, 10),
+                 "8_delayed_update": (45, 15)}  # offload's ideas: at most 60 code lines each
 # the fenced lessons (an idea inside a file): the most regions each may fence, in the file that holds it
-FENCED_REGIONS = {("stage3.py", "Recompute"): 2, ("offload.py", "Copy stream"): 2, ("offload.py", "ZeRO-3 Offload"): 4,
-                  ("offload.py", "DPU"): 6}
+FENCED_REGIONS = {("stage3.py", "Recompute"): 2, ("offload.py", "Copy stream"): 2, ("offload.py", "ZeRO-3 Offload"): 1,
+                  ("offload.py", "DPU"): 1}
+# offload.py fences its own ideas only (the exercise's [Offload] and the three lessons after it); the ideas it keeps
+# from stage 3 are fenced in stage1.py to stage3.py, whose exercises blank them
+MOST_FENCE_LINES = {"offload.py": 20}
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
 MOST_LINES = {"train_gpt.py": 535, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 290,
-              "offload.py": 450}
+              "offload.py": 470}
 WIDTH = 120
 
 
@@ -68,6 +71,14 @@ def test_each_fenced_lesson_is_in_few_places(file, tag):
     regions = (ROOT / file).read_text(encoding="utf-8").count(f"# [{tag}]")
     assert 0 < regions <= FENCED_REGIONS[(file, tag)], f"{file}: [{tag}] in {regions} regions (at most " \
         f"{FENCED_REGIONS[(file, tag)]})"
+
+
+@pytest.mark.parametrize("name", MOST_FENCE_LINES)
+def test_few_fence_lines(name):
+    """A file's fences (`# [TAG] ...` and `# [/TAG]`) are at most MOST_FENCE_LINES of its lines: markers for the
+    exercises and the lessons, not a second structure for the reader."""
+    fences = [ln for ln in (ROOT / name).read_text(encoding="utf-8").splitlines() if re.match(r"\s*# \[/?[\w -]+\]", ln)]
+    assert len(fences) <= MOST_FENCE_LINES[name], f"{name}: {len(fences)} fence lines (at most {MOST_FENCE_LINES[name]})"
 
 
 @pytest.mark.parametrize("name", MOST_LINES)
