@@ -31,7 +31,7 @@ COVERED = {
     CPU_TORCH: "ci",
     INSTALL: "ci",
     FIRST: "test_first_command",
-    "python -m pytest tests": "ci",
+    "python -m pytest tests -n 2 --dist loadfile": "ci",
     "python -m pytest tests -m quick": "test_quick_check",
     "python tests/mutations.py": "test_mutations",
     "python bench/compare.py": "test_compare",
@@ -115,7 +115,7 @@ def test_every_command_is_covered():
             assert f"def {test}(" in (ROOT / path).read_text(), f"{by} (which runs `{command}`) does not exist"
         else:
             assert callable(globals().get(by)), f"no smoke test {by} in this file (for `{command}`)"
-    assert ci[-1] == "python -m pytest tests", ".ci/run must end with README.md's test command"
+    assert ci[-1] == "python -m pytest tests -n 2 --dist loadfile", ".ci/run must end with README.md's test command"
     assert any(line.strip() == INSTALL for line in ci), ".ci/run does not run README.md's install"
 
 

@@ -26,7 +26,7 @@ def test_readme_is_a_first_page():
     assert commands[0].startswith("pip install torch==") and commands[0].endswith("download.pytorch.org/whl/cpu")
     assert "without a GPU" in lines[0], "README's first line must say that the CPU build is for a machine without a GPU"
     assert commands[1] == "pip install -r requirements.txt" and commands[2].startswith("OMP_NUM_THREADS=1 torchrun ")
-    assert commands[3:] == ["python -m pytest tests -m quick", "python -m pytest tests"], commands
+    assert commands[3:] == ["python -m pytest tests -m quick", "python -m pytest tests -n 2 --dist loadfile"], commands
     assert "compiles the C++ AdamW" in lines[3], "README's learner's check must say that its first run compiles"
     path = "\n".join(text.splitlines()[:40])  # the first 40 lines: a path through the files
     assert all(s in path for s in ("## Reading order", "1. `train_gpt.py`", "2. `stage0_ddp.py`", "course/lessons")), (
