@@ -74,7 +74,8 @@ IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS", "GOMP", "KMP_", "
 
 
 class ForkServer:
-    """tests/fork_server.py, started on first use and stopped with the suite: one per pytest process."""
+    """tests/fork_server.py, started on first use and stopped with the suite: one per pytest process, shared with the
+    pytest runs a test starts (they find it in ZERO_FORK_SERVER, beside the import-time environment it has)."""
     enabled = True
     proc = None
     path = None
@@ -94,9 +95,17 @@ class ForkServer:
     def environment():
         return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
+    @staticmethod
+    def import_time(env):
+        """The variables of env that torch reads while it is imported, as one string."""
+        return json.dumps(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME) and k != "PYTHONPATH"))
+
     @classmethod
     def start(cls, argv, env, cwd, stdout, stderr):
-        if cls.proc is None or cls.proc.poll() is not None:
+        if cls.path is None and os.environ.get("ZERO_FORK_SERVER_ENV") == cls.import_time(cls.environment()):
+            # a pytest run inside a test: its parent's server has this environment, and outlives the run
+            cls.path = os.environ.get("ZERO_FORK_SERVER")
+        if cls.path is None or cls.proc is not None and cls.proc.poll() is not None:
             cls.path = tempfile.mkdtemp(prefix="forks") + "/socket"
             env0 = {k: v for k, v in cls.environment().items() if k != "PYTHONPATH"}
             cls.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fork_server.py"), cls.path],
@@ -106,6 +115,7 @@ class ForkServer:
                 if cls.proc.poll() is not None:
                     raise RuntimeError(f"tests/fork_server.py exited with code {cls.proc.returncode}")
                 time.sleep(0.05)
+            os.environ.update(ZERO_FORK_SERVER=cls.path, ZERO_FORK_SERVER_ENV=cls.import_time(env0))
         return Forked(cls.path, argv, env, cwd, stdout, stderr)
 
 
