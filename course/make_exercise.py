@@ -6,8 +6,8 @@ make_exercise.py: turn a reference stage file into an exercise. Each region that
     # [/ZeRO-2]
 
 is replaced by a TODO that says what the region must do, and a `raise NotImplementedError` that says it again when
-the code runs. Functions keep their signatures and docstrings, so the exercise still imports; the test suite then
-grades it. By default the exercise blanks the file's newest idea (stage2.py: ZeRO-2); `--tag` picks others.
+the code runs. Functions keep their signatures and docstrings (a class, its line and its methods'), so the exercise
+still imports; the test suite then grades it. By default the exercise blanks the file's newest idea (stage2.py: ZeRO-2); `--tag` picks others.
 
     python course/make_exercise.py stage2.py                        # writes exercises/stage2.py
     python course/make_exercise.py stage3.py --tag ZeRO-2 --tag ZeRO-3 -o exercises/stage3_hard.py
@@ -53,16 +53,25 @@ def blank_region(indent, tag, todo, body):
     todo = todo.rstrip()
     message = f"TODO [{tag}]: {todo}"
     out = [f"{indent}# TODO [{tag}]: {todo}"]
+    # a region that is a class (offload.py's later ideas): its line and docstring kept, and its methods blanked
+    classes = [k for k, line in enumerate(body) if line.startswith(indent + "class ")]
+    if classes:
+        out += signature_and_docstring(body, classes[0])
+        indent += "    "
     defs = [k for k, line in enumerate(body) if line.startswith(indent + "def ")]
     if not defs:
         out.append(f"{indent}raise NotImplementedError({message!r})")
     for k in defs:
-        out += signature_and_docstring(body, k)
+        # its decorators (@classmethod) too
+        at = k
+        while at > 0 and body[at - 1].startswith(indent + "@"):
+            at -= 1
+        out += body[at:k] + signature_and_docstring(body, k)
         out.append(f"{indent}    raise NotImplementedError({message!r})")
         out.append("")
     if defs:
         out.pop()
-    out.append(f"{indent}# end of TODO [{tag}]")
+    out.append(f"{indent[:len(indent) - 4 * bool(classes)]}# end of TODO [{tag}]")
     return out
 
 
