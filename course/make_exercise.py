@@ -7,7 +7,8 @@ make_exercise.py: turn a reference stage file into an exercise. Each region that
 
 is replaced by a TODO that says what the region must do, and a `raise NotImplementedError` that says it again when
 the code runs. Functions keep their signatures and docstrings (a class, its line and its methods'), so the exercise
-still imports; the test suite then grades it. By default the exercise blanks the file's newest idea (stage2.py: ZeRO-2); `--tag` picks others.
+still imports; the test suite then grades it. By default the exercise blanks the file's newest idea (stage2.py:
+ZeRO-2); `--tag` picks others.
 
     python course/make_exercise.py stage2.py                        # writes exercises/stage2.py
     python course/make_exercise.py stage3.py --tag ZeRO-2 --tag ZeRO-3 -o exercises/stage3_hard.py
