@@ -83,11 +83,19 @@ def not_averaging(rank, world_size, device):
 
 def explain_timeout(previous, rank, seconds, kind, error, traceback):
     """sys.excepthook once the ranks are up: a collective that timed out ends this rank with one line that names the
-    likely cause (a rank that ran out of batches while the others went on); any other error as before."""
-    if issubclass(kind, RuntimeError) and ("timed out" in str(error).lower() or "timeout" in str(error).lower()):
+    likely cause (a rank that ran out of batches while the others went on), and so does a collective whose peer left
+    (the rank that timed out first exits, and gloo tells the others "Connection closed by peer"); any other error as
+    before."""
+    message = str(error).lower()
+    if issubclass(kind, RuntimeError) and ("timed out" in message or "timeout" in message):
         print(f"error: rank {rank}: a collective waited more than --collective_timeout {seconds:g} s for another rank: "
               f"most likely the ranks had different numbers of batches (uneven data); give every rank the same number "
               f"of micro-steps", file=sys.stderr, flush=True)
+        os._exit(1)
+    if issubclass(kind, RuntimeError) and ("closed by peer" in message or "reset by peer" in message):
+        print(f"error: rank {rank}: another rank left while this one waited for it in a collective (that rank's own "
+              f"line says why): most likely the ranks had different numbers of batches (uneven data); give every rank "
+              f"the same number of micro-steps", file=sys.stderr, flush=True)
         os._exit(1)
     previous(kind, error, traceback)
 

@@ -6,6 +6,8 @@ refused with one line that names the fix. Stage 3 and offload are the engines th
 them too, as any engine must."""
 import argparse
 import dataclasses
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
@@ -318,3 +320,23 @@ def test_uneven_data_ends_the_job_with_one_line(runner, tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: rank")]
     assert p.returncode != 0 and lines and all("uneven data" in ln for ln in lines), p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+PEER_LEFT = """
+import functools, sys
+sys.path.insert(0, {root!r})
+from devices import explain_timeout
+sys.excepthook = functools.partial(explain_timeout, sys.excepthook, 0, 5.0)
+raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24984")
+"""
+
+
+def test_a_peer_that_left_ends_the_rank_with_one_line(tmp_path):
+    """The rank of uneven data that times out first exits; a rank still waiting for it in a collective then meets gloo's
+    "Connection closed by peer", not a timeout: it too ends with the one line, not a traceback. (Which rank times out
+    first depends on the load, so the run above meets this only sometimes.)"""
+    script = tmp_path / "peer_left.py"
+    script.write_text(PEER_LEFT.format(root=str(ROOT)))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.startswith("error: rank 0: another rank left"), p.stderr[-3000:]
+    assert "uneven data" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
