@@ -363,8 +363,8 @@ class OffloadEngine:
         self.param_shard.copy_(self.master)
 
 # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
-# ZeRO-3 Offload (ZeRO-Infinity's name): the engine above, extended (the class keeps its name). With --offload_params
-# the parameter shard lives in host memory too, and each gather first brings this rank's shard of the unit up.
+# ZeRO-3 Offload (ZeRO-Infinity's name): the engine above, extended under its own name; without the option, each
+# method below is the one above.
 class OffloadEngine(OffloadEngine):
     @classmethod
     def add_args(cls, parser):
