@@ -83,8 +83,6 @@ class Bucket:
         self.work = None
         self.grad = None  # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
-        # its reduced shard, summed on the device over the micro-steps until it goes down
-        self.acc = None
 
 class OffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
@@ -237,12 +235,7 @@ class OffloadEngine:
             # the bucket's backward is done: free its full parameters
             self._free(b)
             # reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
-            # this rank's part of the sum, its shard's size; with --grad_accum, a step's first micro-step reduces
-            # straight into grad_acc
-            if self.grad_acc is not None and b.acc is None:
-                b.reduced = self.grad_acc[self._shard_range(b)]
-            else:
-                b.reduced = torch.empty_like(self._my_shard_of(b.grad))
+            b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
@@ -251,10 +244,11 @@ class OffloadEngine:
     # [Offload] wait for the reduce-scatter; on the last micro-step, copy the shard summed on the device to the CPU
     def _release(self, b):
         b.work.wait()
-        b.acc = b.reduced if b.acc is None else b.acc.add_(b.reduced)  # summed over the micro-steps, on the device
+        # --grad_accum > 1: summed over the micro-steps on the device (step() zeroes grad_acc once the sum is down)
+        if self.grad_acc is not None:
+            b.reduced = self.grad_acc[self._shard_range(b)].add_(b.reduced)
         if self.sync:
-            self.copies.copy(self.grad_shard[self._shard_range(b)], b.acc)
-            b.acc = None
+            self.copies.copy(self.grad_shard[self._shard_range(b)], b.reduced)
         b.grad = b.reduced = b.work = None
     # [/Offload]
 
@@ -282,9 +276,10 @@ class OffloadEngine:
             self._free(b)
         # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
         self.copies.landed()
+        if self.grad_acc is not None:
+            self.grad_acc.zero_()
         # this shard's squares, summed on the host, filled into a scalar on the device (a copy up would block the host)
-        device = self.buckets[0].param.device
-        norm = torch.full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64, device=device)
+        norm = self.buckets[0].param.new_full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip, scaler)
@@ -296,6 +291,7 @@ class OffloadEngine:
         # [/Offload]
         # coef as a number on the host: the C++ AdamW reads no device memory
         self._update(lr, float(coef))
+        self._drop_gradient()
         return norm
 
     def _update(self, lr, coef):
@@ -303,7 +299,6 @@ class OffloadEngine:
         for b in self.buckets:
             self._adam_step(self.grad_shard, self._shard_range(b), self.optimizer.t, lr, coef)
             self._send(self._shard_range(b))
-        self._drop_gradient()
         # The next forward's gathers run after the copies up; the host goes on (staging waits for the next landed()).
         self.copies.joined()
 
@@ -435,7 +430,6 @@ class OffloadEngine(OffloadEngine):
     def _cpu_update(self, grad_shard, step, lr, coef):
         for b in self.buckets:
             self._adam_step(grad_shard, self._shard_range(b), step, lr, coef)
-        grad_shard.zero_()
 
     def _finish_update(self):
         if self.update is not None:
