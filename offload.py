@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from comm import comm
 from devices import load_cpu_adam
-from train_gpt import (AdamW, Misuse, clip_coef, main, output_tensors, require, share_rank0s,
-                       trained, units_of)
+from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, trained
+from train_gpt import before_backward, units_of
 
 class Copies:
     """Copies between device and host memory. With CUDA the host buffers are pinned (page-locked), so a copy is queued
@@ -148,10 +148,11 @@ class OffloadEngine:
         # [/Copy stream]
         self.in_flight = []
         # hook every unit's forward: gather its parameters just before, free them right after
-        self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
-            b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
+            b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, backward=False))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
+        # the units in the order they ran, forward and backward: which unit to gather early
+        self.forward_order, self.backward_order = [], []
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
@@ -180,21 +181,22 @@ class OffloadEngine:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
-    def _use(self, b, order):
+    def _use(self, b, backward):
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
         # b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
-        order = self.backward_order if b.waiting else order
+        backward = backward or b.waiting > 0
         # b's backward is over: a gradient reached an output of b's that does not depend on b's parameters
-        if order is self.backward_order and not b.waiting:
+        if backward and not b.waiting:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
-        if b not in order:
-            # the first pass records the order; later passes prefetch by it
-            order.append(b)
         self._gather(b)
         self._wait(b)
-        # prefetch the next unit in the order, but in backward never one whose backward is over: it would stay gathered
-        after = [n for n in order[order.index(b) + 1:] if n.waiting or order is self.forward_order]
+        # start gathering the unit that runs next while b computes, by the order the first pass recorded;
+        # in backward never one whose backward is over: it would stay gathered
+        order = self.backward_order if backward else self.forward_order
+        if b not in order:
+            order.append(b)
+        after = [n for n in order[order.index(b) + 1:] if n.waiting or not backward]
         if after and not self.args.no_prefetch:
             self._gather(after[0])
 
@@ -214,9 +216,7 @@ class OffloadEngine:
             return
         # autograd's saved views of the parameters share the bucket's storage: they are freed too
         self._free(b)
-        for t in output_tensors(out):
-            if t.requires_grad:
-                t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
+        before_backward(out, lambda: self._use(b, backward=True))
 
     def _grad_ready(self, p):
         """p's gradient is done: add it to its bucket; a complete bucket's reduce-scatter starts now, under backward."""
@@ -302,6 +302,10 @@ class OffloadEngine:
         # The next forward's gathers run after the copies up; the host goes on (staging waits for the next landed()).
         self.copies.joined()
 
+    def _params_from_master(self):
+        """The model's parameters from the updated master."""
+        self.param_shard.copy_(self.master)
+
     def _drop_gradient(self):
         """The step used (or skipped) this gradient: the next one starts from zero."""
         self.grad_shard.zero_()
@@ -355,7 +359,7 @@ class OffloadEngine:
     def resume(self, step):
         """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
-        self.param_shard.copy_(self.master)
+        self._params_from_master()
 
 # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
 # ZeRO-3 Offload (ZeRO-Infinity's name): the engine above, extended under its own name; without the option, each

@@ -129,10 +129,14 @@ class DDPEngine:
             return norm
         # AdamW bucket by bucket: one bucket's gradient in fp32 at a time, never a copy of the whole gradient
         self.optimizer.step(((slice(b.start, b.end), b.grad.float().mul_(coef)) for b in self.buckets), lr)
-        for b in self.buckets:
-            b.param.copy_(self.master[b.start:b.end])
+        self._params_from_master()
         self._drop_gradient()
         return norm
+
+    def _params_from_master(self):
+        """The model's parameters from the updated master."""
+        for b in self.buckets:
+            b.param.copy_(self.master[b.start:b.end])
 
     def _drop_gradient(self):
         """The step used (or skipped) this gradient: the next one starts from zero."""
@@ -166,8 +170,7 @@ class DDPEngine:
     def resume(self, step):
         """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
-        for b in self.buckets:
-            b.param.copy_(self.master[b.start:b.end])
+        self._params_from_master()
 
 if __name__ == "__main__":
     main(DDPEngine, stage="stage0")

@@ -150,12 +150,16 @@ class ZeRO1Engine:
         self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
                              for b in self.buckets), lr)
         # [/ZeRO-1]
+        self._params_from_master()
+        self._drop_gradient()
+        return norm
+
+    def _params_from_master(self):
+        """The model's parameters from the updated master."""
         # [ZeRO-1] all-gather every rank's updated shard, cast to the model's dtype, into each bucket's parameters
         for b in self.buckets:
             comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))
         # [/ZeRO-1]
-        self._drop_gradient()
-        return norm
 
     def _drop_gradient(self):
         """The step used (or skipped) this gradient: the next one starts from zero."""
@@ -194,8 +198,7 @@ class ZeRO1Engine:
     def resume(self, step):
         """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
-        for b in self.buckets:
-            comm.all_gather(b.param, self.master[self._shard_range(b)].to(b.param.dtype))
+        self._params_from_master()
 
 if __name__ == "__main__":
     main(ZeRO1Engine, stage="stage1")

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from comm import comm
-from train_gpt import (AdamW, Misuse, clip_coef, main, output_tensors, require, share_rank0s, sum_of_squares,
-                       trained, units_of)
+from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, sum_of_squares, trained
+from train_gpt import before_backward, units_of
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -96,11 +96,13 @@ class ZeRO3Engine:
         self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)
         self.in_flight = []
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
-        self.forward_order, self.backward_order = [], []  # the units in the order they run: what to prefetch next
         for b in self.buckets:
-            b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, self.forward_order))
+            b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, backward=False))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
         # [/ZeRO-3]
+        # [Prefetch] the units in the order they ran, forward and backward: which unit to gather early
+        self.forward_order, self.backward_order = [], []
+        # [/Prefetch]
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
@@ -130,24 +132,26 @@ class ZeRO3Engine:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
 
-    def _use(self, b, order):
+    def _use(self, b, backward):
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
-        order = self.backward_order if b.waiting else order
+        backward = backward or b.waiting > 0
         # [/Recompute]
         # b's backward is over: a gradient reached an output of b's that does not depend on b's parameters
-        if order is self.backward_order and not b.waiting:
+        if backward and not b.waiting:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
-        if b not in order:
-            # the first pass records the order; later passes prefetch by it
-            order.append(b)
         self._gather(b)
         self._wait(b)
-        # prefetch the next unit in the order, but in backward never one whose backward is over: it would stay gathered
-        after = [n for n in order[order.index(b) + 1:] if n.waiting or order is self.forward_order]
+        # [Prefetch] start gathering the unit that runs next while b computes, by the order the first pass recorded;
+        # in backward never one whose backward is over: it would stay gathered
+        order = self.backward_order if backward else self.forward_order
+        if b not in order:
+            order.append(b)
+        after = [n for n in order[order.index(b) + 1:] if n.waiting or not backward]
         if after and not self.args.no_prefetch:
             self._gather(after[0])
+        # [/Prefetch]
 
     def _wait(self, b):  # b's all-gather in flight, if any, has landed
         if b.gather is not None:
@@ -166,9 +170,7 @@ class ZeRO3Engine:
         # [/Recompute]
         # autograd's saved views of the parameters share the bucket's storage: they are freed too
         self._free(b)
-        for t in output_tensors(out):
-            if t.requires_grad:
-                t.register_hook(lambda grad, b=b: self._use(b, self.backward_order))
+        before_backward(out, lambda: self._use(b, backward=True))
     # [/ZeRO-3]
 
     def _grad_ready(self, p):
@@ -240,11 +242,15 @@ class ZeRO3Engine:
         self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
                              for b in self.buckets), lr)
         # [/ZeRO-1]
+        self._params_from_master()
+        self._drop_gradient()
+        return norm
+
+    def _params_from_master(self):
+        """The model's parameters from the updated master."""
         # [ZeRO-3] the updated shard, cast into this rank's parameter shard (no all-gather: gathered when next used)
         self.param_shard.copy_(self.master)
         # [/ZeRO-3]
-        self._drop_gradient()
-        return norm
 
     def _drop_gradient(self):
         """The step used (or skipped) this gradient: the next one starts from zero."""
@@ -281,7 +287,7 @@ class ZeRO3Engine:
     def resume(self, step):
         """A checkpoint filled this rank's master and moments: count its steps, and update the model."""
         self.optimizer.t = step
-        self.param_shard.copy_(self.master)
+        self._params_from_master()
 
 if __name__ == "__main__":
     main(ZeRO3Engine, stage="stage3")

@@ -267,13 +267,20 @@ def units_of(model, units):
         owner[p] = min(common, key=lambda m: len(inside[m]))
     return {p: m for m in units for p in m.parameters() if p in owner and owner[p] is m}
 
-def output_tensors(out):
-    """The tensors in a forward's output of any structure: torch's pytree walk (dicts, lists, tuples, namedtuples,
-    as FSDP2 walks them), and into dataclasses, which pytree keeps whole unless they are registered with it."""
+def before_backward(out, hook):
+    """ZeRO-3's backward pre-hook: hook() runs each time backward reaches a tensor of a forward's output `out`, before
+    backward goes on into the module that made it. Hooks on the output tensors, as FSDP2 registers its own, see every
+    call of a module, however often it runs. `out` may be of any structure: torch's pytree walk (dicts, lists, tuples,
+    namedtuples, as FSDP2 walks them), and into dataclasses, which pytree keeps whole unless registered with it."""
+    def on_grad(grad):
+        hook()
+
     leaves = torch.utils._pytree.tree_leaves(out)
     fields = [[getattr(t, f.name) for f in dataclasses.fields(t)] for t in leaves
               if dataclasses.is_dataclass(t) and not isinstance(t, type)]
-    return [t for t in leaves + torch.utils._pytree.tree_leaves(fields) if isinstance(t, torch.Tensor)]
+    for t in leaves + torch.utils._pytree.tree_leaves(fields):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(on_grad)
 
 class AdamW:
     """AdamW on one fp32 tensor, as torch.optim.AdamW computes it. Per element, at step t:

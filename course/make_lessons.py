@@ -2,8 +2,8 @@
 make_lessons.py: the ladder as lessons, one idea each, as diffs a student reads and a teacher hands out.
 
 Most steps of the ladder are whole files: `diff stage1.py stage2.py` is ZeRO-2. Two files carry more than one idea,
-each fenced as the exercises are (`# [TAG] ...` to `# [/TAG]`): stage3.py holds the recompute that activation
-checkpointing needs ([Recompute]); offload.py the copies on a stream of their own ([Copy stream]) and its two options
+each fenced as the exercises are (`# [TAG] ...` to `# [/TAG]`): stage3.py holds the prefetch of the next unit
+([Prefetch]) and the recompute that activation checkpointing needs ([Recompute]); offload.py the copies on a stream of their own ([Copy stream]) and its two options
 ([ZeRO-3 Offload], [DPU]). Without an idea's
 regions such a file still runs, without that idea; each lesson is the diff between two steps:
 
@@ -29,15 +29,17 @@ from make_exercise import BEGIN, END, replace_regions  # noqa: E402
 LESSONS = [
     ("1_zero1", "stage0_ddp.py", "stage1.py", "optimizer states partitioned (ZeRO-1)"),
     ("2_zero2", "stage1.py", "stage2.py", "gradients partitioned (ZeRO-2)"),
-    ("3_zero3", "stage2.py", "stage3.py - Recompute", "parameters partitioned (ZeRO-3): units gathered, freed"),
-    ("4_recompute", "stage3.py - Recompute", "stage3.py", "a unit gathered again for its recompute (activation checkpointing)"),
-    ("5_offload", "stage3.py", "offload.py - Copy stream - ZeRO-3 Offload - DPU",
-     "the optimizer on the CPU (ZeRO-Offload): C++ AdamW"),
-    ("6_copy_stream", "offload.py - Copy stream - ZeRO-3 Offload - DPU", "offload.py - ZeRO-3 Offload - DPU",
+    ("3_zero3", "stage2.py", "stage3.py - Prefetch - Recompute", "parameters partitioned (ZeRO-3): gathered, freed"),
+    ("4_prefetch", "stage3.py - Prefetch - Recompute", "stage3.py - Recompute",
+     "the next unit gathered while this one computes"),
+    ("5_recompute", "stage3.py - Recompute", "stage3.py", "a unit gathered again for its recompute (activation checkpointing)"),
+    ("6_offload", "stage3.py", "offload.py - Copy stream - ZeRO-3 Offload - DPU",
+     "the optimizer on the CPU (ZeRO-Offload)"),
+    ("7_copy_stream", "offload.py - Copy stream - ZeRO-3 Offload - DPU", "offload.py - ZeRO-3 Offload - DPU",
      "the copies on a stream of their own, beside compute"),
-    ("7_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
+    ("8_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
      "the parameter shard on the CPU too (--offload_params)"),
-    ("8_delayed_update", "offload.py - DPU", "offload.py", "the CPU update during the next step (--delayed_update)"),
+    ("9_delayed_update", "offload.py - DPU", "offload.py", "the CPU update during the next step (--delayed_update)"),
 ]
 
 

@@ -71,7 +71,7 @@ COVERED = {
     f"python -m pytest tests --stage {STUDENT}": "test_grading",
     f'python -m pytest "tests/test_stages.py::test_parity_with_reference[student_stage2-2]" --stage {STUDENT}':
         "test_grading",
-    "python -m pytest tests --stage path/to/student_offload.py --lesson 6_copy_stream":
+    "python -m pytest tests --stage path/to/student_offload.py --lesson 7_copy_stream":
         "tests/test_course.py::test_every_lesson_is_graded",
     "python -m pytest tests --gpu": "test_gpu_suite_skips_without_cuda",
     "bash tests/gpu_check.sh runs/gpu_check": "tests/test_gpu_check.py::test_gpu_check_without_a_gpu",

@@ -4,6 +4,7 @@ those of the stage it declares (`main(Engine, stage="...")`), or, with `--lesson
 lesson (course/make_lessons.py), so that a step between two lessons is graded as the step it should be.
 
     ZeRO-1, -2, -3    the optimizer states, the gradients, the parameters: this rank holds its 1/N shard of each
+    Prefetch          bench/timeline.py's trace: the next unit's all-gather is in flight while a unit computes forward
     Recompute         with --checkpoint_activations it trains as the reference does, sending the formula's bytes
     Offload           the optimizer on the CPU: on the fake CUDA device, the gradient shards go down under backward
                       into pinned memory without blocking the host, and the C++ AdamW steps
@@ -14,25 +15,30 @@ lesson (course/make_lessons.py), so that a step between two lessons is graded as
 The fake-device runs (tests/fake_cuda.py) also refuse what CUDA would (a copy from pageable memory, an unordered
 access between streams). tests/test_course.py grades each lesson's step before as if it were the step after: it fails
 here, naming the lesson's idea."""
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, last_lines
 from test_fake_cuda import audit, output
 from test_offload import delayed_reference  # noqa: F401  (the fixture: the reference updated one step late)
 from test_stages import LOSS_ATOL, MODEL, NORM_RTOL, TRAIN, compare_params, first_difference
 from test_stages import reference  # noqa: F401  (the fixture: the single-process reference run)
+from test_timeline import MODEL as TIMELINE_MODEL
+from test_timeline import gathered_during_forward
 from train_gpt import model_state_theory
 
 sys.path.insert(0, str(ROOT / "course"))
 from make_lessons import LESSONS  # noqa: E402
 
 # the ideas in the ladder's order, and the first k a stage holds
-IDEAS = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "Recompute", "Offload", "Copy stream", "ZeRO-3 Offload", "DPU"]
-STAGE_IDEAS = {"stage0": 0, "stage1": 1, "stage2": 2, "stage3": 4, "offload": 8}
+IDEAS = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "Prefetch", "Recompute", "Offload", "Copy stream", "ZeRO-3 Offload", "DPU"]
+STAGE_IDEAS = {"stage0": 0, "stage1": 1, "stage2": 2, "stage3": 5, "offload": 9}
 LESSON_IDEAS = {name: k + 1 for k, (name, *_) in enumerate(LESSONS)}
 assert len(LESSONS) == len(IDEAS), "a lesson per idea: update IDEAS"
 # ZeRO-k: the categories that must be this rank's 1/N shard, as the stage that brings the idea counts them
@@ -83,6 +89,20 @@ def check_sharded(idea, runner, stage_file, **_):
                                          f"{category}, its shard is {shard[category]:,}")
 
 
+def check_prefetch(idea, stage_file, tmp_path, **_):
+    cmd = [sys.executable, str(ROOT / "bench" / "timeline.py"), stage_file, "--nproc", "2", *TIMELINE_MODEL,
+           "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    if p.returncode != 0:
+        pytest.fail(f"[{idea}] the timeline run failed:\n" + "\n".join(last_lines(p.stdout + p.stderr, 25)),
+                    pytrace=False)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert gathered_during_forward(trace) > 0, (
+        f"[{idea}] no all-gather was in flight while a unit computed its forward: the next unit is gathered only "
+        f"when it is about to run (bench/timeline.py's trace, N=2)")
+
+
 def check_recompute(idea, runner, stage_file, reference, **_):
     s = run_or_fail(idea, lambda: runner.run(stage_file, 2, *MODEL, *TRAIN, "--checkpoint_activations")).summary
     where = f"[{idea}] with --checkpoint_activations at N=2"
@@ -123,8 +143,8 @@ def check_delayed_update(idea, runner, stage_file, delayed_reference, **_):
     compare_params(delayed_reference.master, s.master, where)
 
 
-CHECKS = {"ZeRO-1": check_sharded, "ZeRO-2": check_sharded, "ZeRO-3": check_sharded, "Recompute": check_recompute,
-          "Offload": check_offload, "Copy stream": check_copy_stream, "ZeRO-3 Offload": check_offload_params,
+CHECKS = {"ZeRO-1": check_sharded, "ZeRO-2": check_sharded, "ZeRO-3": check_sharded, "Prefetch": check_prefetch,
+          "Recompute": check_recompute, "Offload": check_offload, "Copy stream": check_copy_stream, "ZeRO-3 Offload": check_offload_params,
           "DPU": check_delayed_update}
 FIXTURES = {"Recompute": "reference", "DPU": "delayed_reference"}  # the reference runs only the ideas that need one
 

@@ -69,13 +69,16 @@ def test_stage0_buckets_reduce_while_backward_runs(timeline):
     assert most_under_backward(trace) < 0.5, "one bucket: its all-reduce cannot start before backward ends"
 
 
+def gathered_during_forward(trace):
+    """How long, summed over the ranks, an all-gather was in flight while a unit computed its forward."""
+    return sum(overlap(g, f) for rank in (0, 1)
+               for g in spans(trace, rank, lambda e: e["name"] == "all_gather")
+               for f in spans(trace, rank, lambda e: e["cat"] == "compute" and e["name"].startswith("forward ")))
+
+
 def test_stage3_no_prefetch_gathers_nothing_during_forward(timeline):
     """--no_prefetch: a unit's parameters are gathered only when it is about to run, so no all-gather is in flight
     while any unit computes its forward. With prefetch (the default), the next unit's is."""
-    def gathered_during_forward(trace):
-        return sum(overlap(g, f) for rank in (0, 1)
-                   for g in spans(trace, rank, lambda e: e["name"] == "all_gather")
-                   for f in spans(trace, rank, lambda e: e["cat"] == "compute" and e["name"].startswith("forward ")))
     _, trace, _ = timeline("stage3.py", "--no_prefetch")
     assert spans(trace, 0, lambda e: e["name"] == "all_gather") and spans(trace, 0, lambda e: e["cat"] == "compute")
     assert gathered_during_forward(trace) == 0, "an all-gather was in flight during a forward, without prefetch"
