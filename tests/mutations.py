@@ -103,6 +103,57 @@ SLIPS = {
         "states_measured=sum(meas.values()),",
         ["tests/test_offload.py::test_compare_counts_the_accumulated_shard"],
         "bench/compare.py's model-state total only the columns' (offload's grad_acc dropped)"),
+    "nvme_no_free_space_check": (
+        "nvme.py", "        if free < self.nbytes:\n", "        if False:\n",
+        ["tests/test_nvme.py::test_too_little_free_space_is_refused"],
+        "the state file's free-space check dropped (the disk fills in the middle of a step instead)"),
+    "nvme_no_missing_directory_check": (
+        "nvme.py", "        if not os.path.isdir(directory):\n", "        if False:\n",
+        ["tests/test_nvme.py::test_missing_directory_is_refused"],
+        "a missing nvme path refused as not writable, without the mkdir that fixes it"),
+    "nvme_no_o_direct": (
+        "nvme.py", "            self.fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)\n",
+        "            self.fd = os.open(self.path, os.O_RDWR)\n",
+        ["tests/test_nvme.py::test_o_direct_on_this_disk"],
+        "the state file opened without O_DIRECT (through the page cache)"),
+    "nvme_no_buffered_fallback": (
+        "nvme.py", "        except OSError as e:\n            self.fd = buffered\n",
+        "        except OSError as e:\n            raise\n            self.fd = buffered\n",
+        ["tests/test_nvme.py::test_buffered_where_o_direct_is_refused"],
+        "a filesystem that refuses O_DIRECT stops the run instead of falling back to a buffered file"),
+    "nvme_not_reserved": (
+        "nvme.py", "            os.posix_fallocate(fd, 0, self.nbytes)\n",
+        "            os.ftruncate(fd, self.nbytes)\n",
+        ["tests/test_nvme.py::test_round_trip_is_bit_exact"], "the state file sparse: its blocks not reserved"),
+    "nvme_offset_ignored": (
+        "nvme.py", "                moved = call(self.fd, [memory[done:]], offset + done)\n",
+        "                moved = call(self.fd, [memory[done:]], done)\n",
+        ["tests/test_nvme.py::test_round_trip_is_bit_exact"], "every transfer at the file's start"),
+    "nvme_short_transfer_ignored": (
+        "nvme.py", "            done += moved\n", "            done = len(memory)\n",
+        ["tests/test_nvme.py::test_short_transfers_go_on"], "a short read or write taken as complete"),
+    "nvme_os_error_raw": (
+        "nvme.py", "                self._fail(op, offset, len(memory), e.errno, e.strerror)\n",
+        "                raise\n",
+        ["tests/test_nvme.py::test_io_error_is_one_line"],
+        "an I/O error surfaces as the bare OSError: no file, operation or offset named"),
+    "nvme_enospc_unnamed": (
+        "nvme.py", '            reason = "disk full"\n', "            pass\n",
+        ["tests/test_nvme.py::test_io_error_is_one_line"],
+        "a full disk reported by ENOSPC's strerror, not as 'disk full'"),
+    "nvme_close_does_not_wait": (
+        "nvme.py", "        self.pool.shutdown(wait=True)\n", "        self.pool.shutdown(wait=False)\n",
+        ["tests/test_nvme.py::test_close_waits_and_removes"],
+        "close() closes the file under the writes still in flight"),
+    "nvme_close_keeps_the_file": (
+        "nvme.py", "        if remove:\n", "        if False:\n",
+        ["tests/test_nvme.py::test_close_waits_and_removes"], "close() leaves the state file on disk"),
+    "nvme_shared_name": (
+        "nvme.py", 'f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.states"', 'f"{name}.states"',
+        ["tests/test_nvme.py::test_close_waits_and_removes"], "two state files of one name in one directory collide"),
+    "nvme_unaligned_buffer": (
+        "nvme.py", "    return raw[skip:skip + size]\n", "    return raw[:size]\n",
+        ["tests/test_nvme.py::test_aligned_buffers"], "aligned() over-allocates but keeps the unaligned start"),
 }
 
 

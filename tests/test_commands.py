@@ -67,6 +67,8 @@ COVERED = {
     "python bench/timeline.py offload.py --nproc 2 --preset small --steps 8 --delayed_update --out "
     "runs/tl/offload_delayed_update --results": "test_timeline_results",
     "python bench/estimate.py --params 7.5e9 --world_size 64 --results": "test_estimate",
+    "python bench/bench_nvme.py --results": "tests/test_nvme.py::test_bench_quick",
+    "python bench/bench_nvme.py --quick": "tests/test_nvme.py::test_bench_quick",
     # tests/README.md, course/README.md
     f"python -m pytest tests --stage {STUDENT}": "test_grading",
     f'python -m pytest "tests/test_stages.py::test_parity_with_reference[student_stage2-2]" --stage {STUDENT}':

@@ -1,0 +1,174 @@
+"""
+nvme.py: the file I/O of ZeRO-Infinity's NVMe tier (arXiv 2104.07857), kept in one place: a rank's optimizer states in
+a file of its own, read and written in large aligned blocks that bypass the page cache (O_DIRECT), off the Python
+thread, each transfer a Future that the caller waits for explicitly.
+
+    with StateFile(nvme_path, "rank0", nbytes) as f:
+        buffer = aligned(4 << 20)
+        f.write(0, buffer).result()  # every wait explicit: the buffer may be reused only after it
+        f.read(0, buffer).result()
+
+Why O_DIRECT: a page-cached read of what was just written comes from memory, so it would measure (and spend) host
+memory, which the tier exists to save. O_DIRECT asks that the buffer's address, the offset and the length be multiples
+of the logical block size: ALIGN, 4096, is a multiple of every block size in use. Where a filesystem refuses O_DIRECT
+(tmpfs before Linux 6.6) the file is opened buffered, and `direct` and `mode` say so.
+"""
+import errno
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ALIGN = 4096
+
+
+def round_up(nbytes):
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def aligned(nbytes, pin=False):
+    """A uint8 CPU tensor of nbytes rounded up to ALIGN whose data_ptr is a multiple of ALIGN: a buffer O_DIRECT can
+    read into and write from. pin=True: page-locked, for copies to and from a GPU (only with CUDA)."""
+    size = round_up(nbytes)
+    # Large allocations are usually page-aligned already: then nothing is over-allocated (PyTorch's pinned-memory
+    # cache rounds each allocation up to a power of two, so ALIGN bytes more could double a pinned buffer).
+    raw = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    if raw.data_ptr() % ALIGN == 0:
+        return raw
+    # Otherwise over-allocate by ALIGN and keep the aligned part.
+    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + size]
+
+
+def gib(nbytes):
+    return f"{nbytes:,} bytes ({nbytes / 2**30:.2f} GiB)"
+
+
+class NVMeError(RuntimeError):
+    """A read or write of a state file failed: one line naming the file, the operation, the offset, the bytes and the
+    OS error. `errno` is the OS error's number."""
+    def __init__(self, message, number):
+        super().__init__(message)
+        self.errno = number
+
+
+class StateFile:
+    """One rank's optimizer states on disk: a file of nbytes (rounded up to ALIGN) under `directory`, reserved at
+    creation, read and written by a pool of `threads` threads (os.preadv and os.pwritev release the GIL, so they run
+    beside the Python thread and beside each other). `direct` says whether the file bypasses the page cache; `mode`
+    says the same in words, for the engine to print."""
+    def __init__(self, directory, name, nbytes, threads=2):
+        self.nbytes = round_up(nbytes)
+        # A unique name: two runs, or two ranks, given the same directory and name never share a file.
+        self.path = os.path.join(directory, f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.states")
+        self.fd = None
+        buffered = self._create(directory)
+        # O_DIRECT where the filesystem allows it; the buffered descriptor otherwise.
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            os.close(buffered)
+            self.direct = True
+            self.mode = "O_DIRECT"
+        except OSError as e:
+            self.fd = buffered
+            self.direct = False
+            self.mode = f"buffered (the filesystem refuses O_DIRECT: {e.strerror}; reads may come from the page cache)"
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="nvme")
+
+    def _create(self, directory):
+        """Every refusal in one place, before anything is written: a missing directory, one this process cannot
+        create a file in, or less free space than the file needs. Each is one line naming the path, the bytes and
+        the fix. Returns a descriptor of the new file, its space reserved."""
+        need = gib(self.nbytes)
+        if not os.path.isdir(directory):
+            raise SystemExit(f"error: nvme path {directory} does not exist (a state file of {need} goes there): "
+                             f"create it (mkdir -p {directory}) or give another directory")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise SystemExit(f"error: nvme path {directory} is not writable: cannot create {self.path} ({e.strerror}) "
+                             f"for a state file of {need}: give a directory this user can write to") from None
+        stat = os.statvfs(directory)
+        free = stat.f_bavail * stat.f_frsize
+        if free < self.nbytes:
+            os.close(fd)
+            os.unlink(self.path)
+            raise SystemExit(f"error: nvme path {directory} has {gib(free)} free, and a state file there needs "
+                             f"{need}: free {self.nbytes - free:,} bytes there or give another directory")
+        # Reserve the blocks now, so that a full disk shows here and not in the middle of a step; a filesystem
+        # without fallocate gets the file's size alone.
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.close(fd)
+                os.unlink(self.path)
+                raise SystemExit(f"error: nvme path {directory}: cannot reserve {need} for {self.path} "
+                                 f"({e.strerror}): free space there or give another directory") from None
+            os.ftruncate(fd, self.nbytes)
+        return fd
+
+    def read(self, offset, buffer):
+        """Start reading the file's bytes [offset, offset + buffer's bytes) into buffer: a Future of the bytes read."""
+        return self._submit("read", offset, buffer)
+
+    def write(self, offset, buffer):
+        """Start writing buffer's bytes at offset: a Future of the bytes written. The buffer must not change until
+        the Future is done."""
+        return self._submit("write", offset, buffer)
+
+    def wait(self, future):
+        """Wait for a read or write (the same as future.result()): its bytes, or its NVMeError raised here."""
+        return future.result()
+
+    def _submit(self, op, offset, buffer):
+        # O_DIRECT's rules, kept on a buffered file too, so that code that runs on one runs on the other.
+        nbytes = buffer.numel() * buffer.element_size()
+        assert buffer.device.type == "cpu" and buffer.is_contiguous(), f"{op}: the buffer is no contiguous CPU tensor"
+        assert buffer.data_ptr() % ALIGN == 0, f"{op}: the buffer's address is not a multiple of {ALIGN}: use aligned()"
+        assert offset % ALIGN == 0 and nbytes % ALIGN == 0, (
+            f"{op}: offset {offset:,} and length {nbytes:,} must be multiples of {ALIGN}")
+        assert 0 <= offset and offset + nbytes <= self.nbytes, (
+            f"{op}: bytes [{offset:,}, {offset + nbytes:,}) lie outside {self.path} ({self.nbytes:,} bytes)")
+        memory = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+        return self.pool.submit(self._transfer, op, offset, memory)
+
+    def _transfer(self, op, offset, memory):
+        """One read or write, on a pool thread. A transfer may move fewer bytes than asked: go on from where it
+        stopped until all are moved."""
+        call = os.preadv if op == "read" else os.pwritev
+        done = 0
+        while done < len(memory):
+            try:
+                moved = call(self.fd, [memory[done:]], offset + done)
+            except OSError as e:
+                self._fail(op, offset, len(memory), e.errno, e.strerror)
+            # a read at the end of the file, or a write that moved nothing, would loop forever
+            if moved == 0:
+                self._fail(op, offset, len(memory), errno.EIO, f"{op} moved no bytes at offset {offset + done:,}")
+            done += moved
+        return done
+
+    def _fail(self, op, offset, nbytes, number, reason):
+        if number == errno.ENOSPC:
+            reason = "disk full"
+        raise NVMeError(f"error: {op} of {nbytes:,} bytes at offset {offset:,} of {self.path} failed: {reason}",
+                       number) from None
+
+    def close(self, remove=True):
+        """Wait for every read and write in flight, stop the threads, close the file and (remove=True) delete it."""
+        if self.fd is None:
+            return
+        self.pool.shutdown(wait=True)
+        os.close(self.fd)
+        self.fd = None
+        if remove:
+            os.unlink(self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

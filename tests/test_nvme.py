@@ -1,0 +1,272 @@
+"""nvme.py, the file I/O of the NVMe tier, and bench/bench_nvme.py: bytes come back bit for bit wherever they were
+written, through O_DIRECT on a disk and buffered where O_DIRECT is refused; every refusal and I/O error is one line
+naming the path (or file, operation and offset) and the bytes; close() waits for what is in flight and removes the
+file; the bench prints its table."""
+import errno
+import fcntl
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from nvme import ALIGN, NVMeError, StateFile, aligned, round_up
+
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_nvme import filesystem  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A directory on a disk: pytest's own, unless that is in memory (tmpfs); then one under the repository's runs/."""
+    if filesystem(tmp_path)[0] != "tmpfs":
+        yield tmp_path
+        return
+    (ROOT / "runs").mkdir(exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="test_nvme-", dir=ROOT / "runs"))
+    yield path
+    shutil.rmtree(path)
+
+
+def accepts_o_direct(directory):
+    """Whether the filesystem under directory opens a file with O_DIRECT (asked of the kernel, not of nvme.py)."""
+    probe = os.path.join(directory, "o_direct_probe")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
+def random_bytes(nbytes, seed):
+    buffer = aligned(nbytes)
+    generator = torch.Generator().manual_seed(seed)
+    buffer.copy_(torch.randint(0, 256, (buffer.numel(),), dtype=torch.uint8, generator=generator))
+    return buffer
+
+
+def round_trip(f, regions):
+    """Write random bytes to every (offset, nbytes) region at once, read them all back at once: each equal, bit for
+    bit, and the file's own bytes there too."""
+    written = [random_bytes(n, seed) for seed, (_, n) in enumerate(regions)]
+    for future in [f.write(offset, b) for (offset, _), b in zip(regions, written)]:
+        assert f.wait(future) == future.result()
+    back = [aligned(n) for _, n in regions]
+    for future in [f.read(offset, b) for (offset, _), b in zip(regions, back)]:
+        f.wait(future)
+    with open(f.path, "rb") as raw:
+        on_disk = raw.read()
+    for (offset, n), w, b in zip(regions, written, back):
+        assert torch.equal(w, b), f"bytes read at offset {offset:,} differ from those written there"
+        assert bytes(w.numpy()) == on_disk[offset:offset + n], f"the file's bytes at offset {offset:,} are not these"
+
+
+def one_line(error):
+    message = str(error.code if isinstance(error, SystemExit) else error)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def test_aligned_buffers():
+    """aligned(): the address a multiple of ALIGN, the size rounded up to it, every byte usable."""
+    for nbytes in (1, ALIGN - 1, ALIGN, ALIGN + 1, MiB + 3, 4 * MiB):
+        buffers = [aligned(nbytes) for _ in range(4)]  # several, so that some land where the allocator did not align
+        for b in buffers:
+            assert b.dtype == torch.uint8 and b.is_contiguous() and b.data_ptr() % ALIGN == 0, (nbytes, b.data_ptr())
+            assert b.numel() == -(-nbytes // ALIGN) * ALIGN == round_up(nbytes), (nbytes, b.numel())
+            b.fill_(7)
+            assert int(b.sum()) == 7 * b.numel()
+
+
+def test_round_trip_is_bit_exact(disk):
+    """The file's blocks reserved at its size; random bytes at several offsets (the first block, one after it, the
+    middle, the last two blocks), written and read concurrently on the pool's two threads; a float32 view of an aligned
+    buffer, as the engine's states are."""
+    f = StateFile(disk, "rank0", 3 * MiB + 5)
+    assert f.nbytes == 3 * MiB + ALIGN and os.path.getsize(f.path) == f.nbytes
+    # reserved at creation (a sparse file would meet a full disk only in the middle of a step)
+    assert os.stat(f.path).st_blocks * 512 >= f.nbytes, "the state file's blocks are not reserved"
+    round_trip(f, [(0, ALIGN), (ALIGN, 16 * ALIGN), (MiB, MiB), (f.nbytes - 2 * ALIGN, 2 * ALIGN)])
+    states = aligned(MiB).view(torch.float32).normal_(generator=torch.Generator().manual_seed(0))
+    back = aligned(MiB).view(torch.float32)
+    f.wait(f.write(2 * MiB, states))
+    f.wait(f.read(2 * MiB, back))
+    assert torch.equal(states, back)
+    f.close()
+
+
+def test_short_transfers_go_on(disk, monkeypatch):
+    """A read or write that moves fewer bytes than asked (os.preadv and os.pwritev may) is taken up where it stopped:
+    here every call moves one block at most."""
+    real = {"preadv": os.preadv, "pwritev": os.pwritev}
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: real["preadv"](fd, [buffers[0][:ALIGN]], offset))
+    monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: real["pwritev"](fd, [buffers[0][:ALIGN]], offset))
+    with StateFile(disk, "rank0", MiB) as f:
+        round_trip(f, [(0, 8 * ALIGN), (MiB // 2, MiB // 2)])
+
+
+def test_o_direct_on_this_disk(disk):
+    """On a filesystem that accepts O_DIRECT, the state file's descriptor has it: its reads and writes skip the page
+    cache."""
+    if not accepts_o_direct(disk):
+        pytest.skip(f"{disk}'s filesystem ({filesystem(disk)[0]}) refuses O_DIRECT")
+    with StateFile(disk, "rank0", MiB) as f:
+        assert f.direct and f.mode == "O_DIRECT"
+        assert fcntl.fcntl(f.fd, fcntl.F_GETFL) & os.O_DIRECT, "the state file's descriptor has no O_DIRECT"
+
+
+def test_buffered_on_tmpfs():
+    """tmpfs before Linux 6.6 refuses O_DIRECT: the state file is opened buffered there, says so, and works."""
+    if not os.path.isdir("/dev/shm") or filesystem("/dev/shm")[0] != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    if accepts_o_direct("/dev/shm"):
+        pytest.skip(f"tmpfs accepts O_DIRECT on Linux {platform.release()} (it does from 6.6 on)")
+    with StateFile("/dev/shm", "rank0", MiB) as f:
+        assert not f.direct and f.mode.startswith("buffered")
+        assert not fcntl.fcntl(f.fd, fcntl.F_GETFL) & os.O_DIRECT
+        round_trip(f, [(0, MiB)])
+
+
+def test_buffered_where_o_direct_is_refused(disk, monkeypatch):
+    """Where the filesystem refuses O_DIRECT (an open with it fails with EINVAL, as tmpfs before Linux 6.6 and some
+    network filesystems do), the file is opened buffered, says so, and works."""
+    real_open = os.open
+
+    def no_direct(path, flags, *more):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *more)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with StateFile(disk, "rank0", MiB) as f:
+        assert not f.direct and f.mode.startswith("buffered") and os.strerror(errno.EINVAL) in f.mode
+        assert not fcntl.fcntl(f.fd, fcntl.F_GETFL) & os.O_DIRECT
+        round_trip(f, [(0, ALIGN), (MiB // 2, MiB // 2)])
+    assert not os.path.exists(f.path)
+
+
+def test_missing_directory_is_refused(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(SystemExit) as e:
+        StateFile(missing, "rank0", 3 * MiB + 5)
+    message = one_line(e.value)
+    assert str(missing) in message and f"{3 * MiB + ALIGN:,} bytes" in message and "does not exist" in message, message
+    assert f"mkdir -p {missing}" in message, message
+
+
+def test_unwritable_directory_is_refused():
+    """/proc: no file can be created there, whoever asks (root included)."""
+    with pytest.raises(SystemExit) as e:
+        StateFile("/proc", "rank0", MiB)
+    message = one_line(e.value)
+    assert "/proc" in message and f"{MiB:,} bytes" in message and "not writable" in message, message
+
+
+def test_too_little_free_space_is_refused(disk, monkeypatch):
+    """More bytes than the filesystem has free: refused before any space is reserved, and no file is left."""
+    reserved = []
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, nbytes: reserved.append(nbytes))
+    stat = os.statvfs(disk)
+    nbytes = stat.f_bavail * stat.f_frsize + (1 << 30)
+    with pytest.raises(SystemExit) as e:
+        StateFile(disk, "rank0", nbytes)
+    message = one_line(e.value)
+    assert str(disk) in message and f"needs {round_up(nbytes):,} bytes" in message and " free" in message, message
+    assert reserved == [] and os.listdir(disk) == [], (reserved, os.listdir(disk))
+
+
+def test_io_error_is_one_line(disk, monkeypatch):
+    """A full disk mid-run (os.pwritev raises ENOSPC), or a read that fails (EIO): the Future raises NVMeError, one
+    line naming the file, the operation, the offset and the bytes; the file still closes and goes."""
+    f = StateFile(disk, "rank0", MiB)
+    buffer = random_bytes(4 * ALIGN, 0)
+    f.wait(f.write(0, buffer))
+
+    def fails(number):
+        def call(fd, buffers, offset):
+            raise OSError(number, os.strerror(number))
+        return call
+
+    monkeypatch.setattr(os, "pwritev", fails(errno.ENOSPC))
+    with pytest.raises(NVMeError) as e:
+        f.wait(f.write(8 * ALIGN, buffer))
+    message = one_line(e.value)
+    assert e.value.errno == errno.ENOSPC and message.endswith("failed: disk full"), message
+    assert f"write of {4 * ALIGN:,} bytes at offset {8 * ALIGN:,} of {f.path}" in message, message
+    monkeypatch.setattr(os, "preadv", fails(errno.EIO))
+    with pytest.raises(NVMeError) as e:
+        f.read(0, buffer).result()
+    message = one_line(e.value)
+    assert f"read of {4 * ALIGN:,} bytes at offset 0 of {f.path}" in message and os.strerror(errno.EIO) in message
+    f.close()
+    assert not os.path.exists(f.path)
+
+
+def test_reading_past_what_a_transfer_returns_stops(disk, monkeypatch):
+    """A read that returns no bytes (the end of a file shorter than expected) is an error, not an endless loop."""
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)
+    with StateFile(disk, "rank0", MiB) as f:
+        with pytest.raises(NVMeError, match="read moved no bytes at offset 0"):
+            f.wait(f.read(0, aligned(ALIGN)))
+
+
+def test_close_waits_and_removes(disk):
+    """close() returns only when every transfer in flight is done, then removes the file; two files of one name in
+    one directory are two files; the context manager closes too."""
+    f = StateFile(disk, "rank0", 8 * MiB)
+    g = StateFile(disk, "rank0", MiB)
+    assert f.path != g.path and os.path.exists(f.path) and os.path.exists(g.path)
+    buffer = random_bytes(MiB, 0)
+    futures = [f.write(k * MiB, buffer) for k in range(8)]
+    f.close()
+    assert all(future.done() and future.exception() is None for future in futures)
+    assert not os.path.exists(f.path) and os.path.exists(g.path)
+    f.close()  # a second close does nothing
+    g.close(remove=False)
+    assert os.path.getsize(g.path) == MiB
+    with StateFile(disk, "rank1", MiB) as h:
+        assert os.path.exists(h.path)
+    assert not os.path.exists(h.path)
+
+
+def test_misuse_is_named(disk):
+    """O_DIRECT's rules, asserted with what was wrong: an offset or length off ALIGN, an unaligned buffer, bytes past
+    the end."""
+    with StateFile(disk, "rank0", MiB) as f:
+        with pytest.raises(AssertionError, match="offset 100 and length 4,096 must be multiples of 4096"):
+            f.write(100, aligned(ALIGN))
+        with pytest.raises(AssertionError, match="length 100 must be"):
+            f.read(0, aligned(ALIGN)[:100])
+        with pytest.raises(AssertionError, match="address is not a multiple of 4096: use aligned"):
+            f.write(0, aligned(2 * ALIGN)[1:ALIGN + 1])
+        with pytest.raises(AssertionError, match=r"lie outside .* \(1,048,576 bytes\)"):
+            f.read(MiB, aligned(ALIGN))
+
+
+def test_bench_quick(tmp_path):
+    """bench/bench_nvme.py --quick, with --results to a directory of its own: the table (a row for 1 thread and one for
+    the default 2, numbers in each) names the machine, the filesystem and O_DIRECT, is written with its header, and
+    the temporary directory it measured in is gone."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_nvme.py"), "--quick", "--results", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("Machine: ") and "Command: `python bench/bench_nvme.py --quick" in out.stdout
+    kind = filesystem(tmp_path)[0]
+    assert f"{kind} on " in out.stdout and ("O_DIRECT" in out.stdout or "buffered" in out.stdout), out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| threads")]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "2"], out.stdout
+    assert all(float(cell.replace(",", "")) > 0 for r in rows for cell in r.split("|")[2:4]), rows
+    table = (tmp_path / "nvme_disk.md").read_text()
+    assert table.startswith("Machine: ") and rows[0] in table
+    assert not list(tmp_path.glob(".nvme-bench-*")), list(tmp_path.iterdir())
