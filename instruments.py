@@ -463,7 +463,14 @@ def holdings(engine, data, batch, device):
     return dict(states={k: storage_bytes(v) for k, v in model_states.items()},
                 where=where if device.type != "cpu" else {},
                 live=live, data=data_bytes, other=other, named=named,
-                pinned=pinned_tensor_bytes() if device.type == "cuda" else 0)
+                pinned=pinned_tensor_bytes() if device.type == "cuda" else 0,
+                disk=disk_bytes(engine))
+
+def disk_bytes(engine):
+    """The bytes of this rank's files on disk, as the filesystem gives their sizes (offload's NVMe tier: its state
+    file; none without)."""
+    disk = getattr(engine, "disk", None)
+    return os.path.getsize(disk.file.path) if disk is not None else 0
 
 def own_class(obj):
     """Whether obj is an instance of a class defined in this project's files (or in the script run as __main__)."""
@@ -625,6 +632,10 @@ def memory_table(s, th):
             f"finds (not the engine's list) after the last backward, less the data set ({amount(s['data_bytes'])}); "
             f"the peak adds the step's activations and working set")
     lines += textwrap.wrap(note, 120)
+    if th["disk"]:
+        lines.append(f"on disk: the state file {s['disk_bytes']['measured'] / 2**20:.2f} MiB (formula 12Ψ/N = "
+                     f"{th['disk'] / 2**20:.2f}: the fp32 master, Adam m and v; each bucket's from an offset aligned "
+                     f"to 4 KiB)")
     return "\n".join(lines)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -810,6 +821,7 @@ def summarize(run):
                 other_tensor_bytes=measured["other"], other_named=measured["named"],
                 workspace_bytes=measured.get("workspace", 0),
                 pinned_host_bytes={"measured": measured["pinned"], "theory": th["pinned"]},
+                disk_bytes={"measured": measured["disk"], "theory": th["disk"]},
                 model_state_bytes={k: {"measured": states.get(k, 0), "theory": v,  # where: its tensors' device (GPU)
                                        "where": where.get(k) if where else "host" if k in th["host"] else "device"}
                                    for k, v in th["states"].items()},
@@ -881,6 +893,9 @@ def finish(run, summary, sample):
                       f"run on {run.device}; consolidate a checkpoint and sample it with --sample")
             else:
                 print(sample(master))
+    # an engine's files (offload's state files on NVMe) go once the run is done with them
+    if hasattr(run.engine, "close"):
+        run.engine.close()
     if run.distributed:
         dist.barrier()
         dist.destroy_process_group()

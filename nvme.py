@@ -14,6 +14,7 @@ of the logical block size: ALIGN, 4096, is a multiple of every block size in use
 (tmpfs before Linux 6.6) the file is opened buffered, and `direct` and `mode` say so.
 """
 import errno
+import mmap
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +32,15 @@ def aligned(nbytes, pin=False):
     """A uint8 CPU tensor of nbytes rounded up to ALIGN whose data_ptr is a multiple of ALIGN: a buffer O_DIRECT can
     read into and write from. pin=True: page-locked, for copies to and from a GPU (only with CUDA)."""
     size = round_up(nbytes)
-    # Large allocations are usually page-aligned already: then nothing is over-allocated (PyTorch's pinned-memory
-    # cache rounds each allocation up to a power of two, so ALIGN bytes more could double a pinned buffer).
-    raw = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    if not pin:
+        # An anonymous mapping starts on a page and is exactly its size (the tensor keeps the mapping alive).
+        return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+    # PyTorch's pinned-memory cache rounds each allocation up to a power of two, so ALIGN bytes more could double a
+    # pinned buffer: over-allocate only where the exact size is not aligned already.
+    raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     if raw.data_ptr() % ALIGN == 0:
         return raw
-    # Otherwise over-allocate by ALIGN and keep the aligned part.
-    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + size]
 
@@ -46,9 +49,9 @@ def gib(nbytes):
     return f"{nbytes:,} bytes ({nbytes / 2**30:.2f} GiB)"
 
 
-class NVMeError(RuntimeError):
+class NVMeError(SystemExit):
     """A read or write of a state file failed: one line naming the file, the operation, the offset, the bytes and the
-    OS error. `errno` is the OS error's number."""
+    OS error, which ends the run as SystemExit does (no traceback). `errno` is the OS error's number."""
     def __init__(self, message, number):
         super().__init__(message)
         self.errno = number
@@ -172,3 +175,49 @@ class StateFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class DiskStates:
+    """One rank's optimizer states on disk, bucket by bucket, and the host buffers they pass through (ZeRO-Infinity's
+    swapper). Bucket k's fp32 master, Adam m and v (numels[k] elements each) lie side by side in the file from an
+    offset aligned to ALIGN, and always pass through buffer k % count: reading bucket k waits only for that buffer's
+    last write, and with count >= 2 a read of the next bucket runs beside the update of this one (3: its write too)."""
+    def __init__(self, directory, name, numels, count):
+        self.numels = numels
+        self.sizes = [round_up(12 * n) for n in numels]
+        self.offsets = [sum(self.sizes[:k]) for k in range(len(numels))]
+        self.file = StateFile(directory, name, sum(self.sizes))
+        self.buffers = [aligned(max(self.sizes)) for _ in range(count)]
+        # the write in flight from each buffer; the reads in flight, by bucket
+        self.writes = [None] * count
+        self.reads = {}
+
+    def _bytes(self, k):
+        return self.buffers[k % len(self.buffers)][:self.sizes[k]]
+
+    def buffer(self, k):
+        """Bucket k's buffer as (master, m, v) fp32 views, once the buffer's last write is done."""
+        write = self.writes[k % len(self.buffers)]
+        if write is not None:
+            write.result()
+        return self._bytes(k)[:12 * self.numels[k]].view(torch.float32).view(3, -1).unbind()
+
+    def read(self, k):
+        """Start reading bucket k's states into its buffer."""
+        self.buffer(k)
+        self.reads[k] = self.file.read(self.offsets[k], self._bytes(k))
+
+    def states(self, k):
+        """Bucket k's (master, m, v) in its buffer, read (now, if no read was started ahead)."""
+        if k not in self.reads:
+            self.read(k)
+        self.reads.pop(k).result()
+        return self.buffer(k)
+
+    def write(self, k):
+        """Start writing bucket k's states back from its buffer."""
+        self.writes[k % len(self.buffers)] = self.file.write(self.offsets[k], self._bytes(k))
+
+    def close(self):
+        """Wait for every read and write, and remove the file."""
+        self.file.close()

@@ -459,5 +459,88 @@ class OffloadEngine(OffloadEngine):
         return super().state_pieces()
 # [/DPU]
 
+# [NVMe] --offload_optimizer nvme: the optimizer states in a file, streamed through a few host buffers
+# ZeRO-Infinity's NVMe tier (arXiv 2104.07857), the engine above extended: this rank's fp32 master and Adam's moments
+# (12Ψ/N bytes) live in a file under --nvme_path, and host memory keeps only --nvme_buffer_count buffers of one
+# bucket's states each. The update walks the buckets: while the C++ AdamW updates bucket k in its buffer, bucket k+1's
+# states are read into the next and bucket k-1's are written back from the one before (nvme.DiskStates: the file, its
+# layout and its buffers; O_DIRECT on a thread pool).
+class OffloadEngine(OffloadEngine):
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--offload_optimizer", choices=["cpu", "nvme"], default="cpu", help="the states' place")
+        parser.add_argument("--nvme_path", help="the directory of the state files (with --offload_optimizer nvme)")
+        parser.add_argument("--nvme_buffer_count", type=int, default=3, help="3 overlaps reads and writes with AdamW")
+
+    def __init__(self, model, args, device, units=None):
+        super().__init__(model, args, device, units)
+        self.disk = None
+        if args.offload_optimizer == "nvme":
+            from nvme import DiskStates
+            numels = [(b.end - b.start) // self.world_size for b in self.buckets]
+            self.disk = DiskStates(args.nvme_path, f"rank{self.rank}", numels, args.nvme_buffer_count)
+            self._states_to_disk()
+
+    def _states_to_disk(self):
+        """The states in host memory (made above, or filled by a checkpoint) go to the file; the host keeps none."""
+        held = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
+        for k, b in enumerate(self.buckets):
+            for state, view in zip(held, self.disk.buffer(k)):
+                view.copy_(state[self._shard_range(b)])
+            self.disk.write(k)
+        self._hold(None, None, None)
+
+    def _hold(self, master, exp_avg, exp_avg_sq):
+        """The states in host memory (None: none), where the engine above reads them."""
+        self.master = self.optimizer.param = master
+        self.optimizer.exp_avg = exp_avg
+        self.optimizer.exp_avg_sq = exp_avg_sq
+
+    def _adam_step(self, grad_shard, sh, step, lr, coef):
+        if self.disk is None:
+            return super()._adam_step(grad_shard, sh, step, lr, coef)
+        k = [self._shard_range(b) for b in self.buckets].index(sh)
+        # a checkpoint's copy of the states in host memory (state_pieces) is not needed any more
+        self._hold(None, None, None)
+        master, exp_avg, exp_avg_sq = self.disk.states(k)
+        # the next bucket's states come in while this one's update runs (with one buffer, after it)
+        if k + 1 < len(self.buckets) and len(self.disk.buffers) > 1:
+            self.disk.read(k + 1)
+        self.adam.adam_step(master, grad_shard[sh], exp_avg, exp_avg_sq, self.staging[sh], step=step, lr=lr,
+                            beta1=self.args.beta1, beta2=self.args.beta2, eps=self.optimizer.eps,
+                            weight_decay=self.args.weight_decay, grad_scale=coef)
+        self.disk.write(k)
+
+    def state_pieces(self):
+        # the states, read into host memory for a checkpoint (until resume() or the next update)
+        if self.disk is not None:
+            self._finish_update()
+            held = [torch.empty(self.padded_numel // self.world_size) for _ in range(3)]
+            for k, b in enumerate(self.buckets):
+                for state, view in zip(held, self.disk.states(k)):
+                    state[self._shard_range(b)] = view
+            self._hold(*held)
+        return super().state_pieces()
+
+    def resume(self, step):
+        super().resume(step)
+        if self.disk is not None:
+            self._states_to_disk()
+
+    def model_states(self):
+        states = super().model_states()
+        # in host memory: the buffers; on disk: the states (instruments measure the file)
+        if self.disk is not None:
+            states = {name: held for name, held in states.items() if name not in ("master", "adam_m", "adam_v")}
+            states["nvme_buffers"] = self.disk.buffers
+        return states
+
+    def close(self):
+        """The end of a run (after state_pieces(), which lands an update in flight): the state file is removed."""
+        if self.disk is not None:
+            self.disk.close()
+# [/NVMe]
+
 if __name__ == "__main__":
     main(OffloadEngine, stage="offload")

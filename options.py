@@ -90,6 +90,15 @@ def _check(args, world_size):
         raise SystemExit("error: --save_every must be 0 or more and --stop_after at least 1")
     if args.save_every and not args.ckpt_dir:
         raise SystemExit("error: --save_every needs --ckpt_dir DIR, the directory to save into")
+    nvme = getattr(args, "offload_optimizer", "cpu") == "nvme"
+    if nvme and not args.nvme_path:
+        raise SystemExit("error: --offload_optimizer nvme needs --nvme_path DIR, the directory for the state files")
+    if getattr(args, "nvme_path", None) and not nvme:
+        raise SystemExit(f"error: --nvme_path {args.nvme_path} is for --offload_optimizer nvme: add it, or drop "
+                         f"--nvme_path")
+    if nvme and args.nvme_buffer_count < 1:
+        raise SystemExit(f"error: --nvme_buffer_count {args.nvme_buffer_count}: must be at least 1 (3 overlaps the "
+                         f"reads and the writes with AdamW)")
 
 def load_text(path):
     """The text of --data; without one, a corpus that ships with every CPython (the text of its pydoc topics)."""

@@ -197,10 +197,26 @@ def formula_text(stage, param_bytes=2, grad_shards=1, grad_acc=False):
     shard = sum(v for k, v in b.items() if k in SHARDED[stage])
     return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{shard}Ψ/N"] * bool(shard))
 
-def host_categories(stage, offload_params=False):
+def host_categories(stage, offload_params=False, nvme=False):
     """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device (the
-    parameters unless offload_params; with gradient accumulation, "grad_acc": the gradient shard summed there)."""
-    return ("grads", "master", "adam_m", "adam_v") + ("params",) * offload_params if stage == "offload" else ()
+    parameters unless offload_params; with gradient accumulation, "grad_acc": the gradient shard summed there). With
+    the optimizer states on NVMe (nvme=True) the host keeps the buffers they pass through instead."""
+    if stage != "offload":
+        return ()
+    optimizer = ("nvme_buffers",) if nvme else ("master", "adam_m", "adam_v")
+    return ("grads",) + optimizer + ("params",) * offload_params
+
+ON_DISK = ("master", "adam_m", "adam_v")  # the categories offload's NVMe tier keeps in its state file
+
+def nvme_theory(states, world_size, buffer_count, largest_bucket):
+    """The NVMe tier (offload.py --offload_optimizer nvme), from the model states of offload in host memory: the
+    fp32 master and Adam's moments (12Ψ/N) go to the disk, and the host holds buffer_count buffers instead, each one
+    bucket's states (12 bytes an element of the largest bucket's shard, rounded up to nvme.ALIGN). Returns the states
+    left in memory and the bytes on disk."""
+    from nvme import round_up
+    kept = {k: v for k, v in states.items() if k not in ON_DISK}
+    kept["nvme_buffers"] = buffer_count * round_up(12 * largest_bucket // world_size)
+    return kept, sum(states[k] for k in ON_DISK)
 
 def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
     """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
@@ -426,16 +442,23 @@ def lr_at(step, args):
     t = (step - args.warmup) / max(1, args.steps - 1 - args.warmup)
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(t, 1.0))) * (args.lr - args.min_lr)
 
-def theory(stage, padded_numel, world_size, dtype, args, device):
+def theory(stage, padded_numel, world_size, dtype, args, device, largest_bucket=0):
     """What the paper's model says this run holds and sends per rank: model states by category, their formula, the
-    bytes sent per step, which states live on the host, and pinned host memory (with CUDA)."""
+    bytes sent per step, which states live on the host, pinned host memory (with CUDA), and the bytes on disk (offload's
+    NVMe tier: largest_bucket, the elements of the largest bucket, sizes its buffers)."""
     param_bytes = torch.finfo(dtype).bits // 8
     offload_params = getattr(args, "offload_params", False)
     grad_shards = 1 + bool(getattr(args, "delayed_update", False))  # offload's delayed update: a second gradient shard
     grad_acc = stage == "offload" and args.grad_accum > 1  # offload sums the micro-steps' shards on the device
-    return dict(states=model_state_theory(stage, padded_numel, world_size, param_bytes, grad_shards, grad_acc),
-                formula=formula_text(stage, param_bytes, grad_shards, grad_acc),
-                host=host_categories(stage, offload_params),
+    states = model_state_theory(stage, padded_numel, world_size, param_bytes, grad_shards, grad_acc)
+    formula = formula_text(stage, param_bytes, grad_shards, grad_acc)
+    nvme = getattr(args, "offload_optimizer", "cpu") == "nvme"
+    disk = 0
+    if nvme:
+        states, disk = nvme_theory(states, world_size, args.nvme_buffer_count, largest_bucket)
+        formula = f"{formula} less 12Ψ/N on disk, + {args.nvme_buffer_count} buffers"
+    return dict(states=states, formula=formula, disk=disk,
+                host=host_categories(stage, offload_params, nvme),
                 comm=comm_theory(stage, padded_numel, world_size, param_bytes, args.grad_accum),
                 pinned=pinned_theory(stage, padded_numel, world_size, param_bytes, offload_params, grad_shards == 2)
                 if device.type == "cuda" else 0)  # nothing is pinned without CUDA
@@ -506,7 +529,8 @@ def main(Engine, stage, distributed=True, formula=None):
     torch.manual_seed(args.seed + rank)  # ranks start different; each stage must broadcast rank 0's weights
     model = build_model(Engine, cfg, device, dtype, args.checkpoint_activations)
     engine = Engine(model, args, device)
-    th = theory(formula or stage, engine.padded_numel, world_size, dtype, args, device)
+    largest_bucket = max((b.end - b.start for b in getattr(engine, "buckets", [])), default=0)
+    th = theory(formula or stage, engine.padded_numel, world_size, dtype, args, device, largest_bucket)
     run = Run(stage, args, cfg, plan, engine=engine, data=data, th=th, scaler=scaler, device=device, rank=rank,
               world_size=world_size, distributed=distributed)
     run.announce()  # rank 0: Ψ, and the model states per rank the paper's formula gives for this stage

@@ -22,8 +22,8 @@ from pathlib import Path
 # the ideas, in the order the stages introduce them; the recompute of activation checkpointing (stage 3's) and
 # offload.py's later steps are ideas of their own: the copies on a stream of their own, the parameter shard in CPU
 # memory (ZeRO-Infinity's ZeRO-3 Offload) and the delayed parameter update (the ZeRO-Offload paper's DPU)
-TAGS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Prefetch", "Recompute", "Offload", "Copy stream", "ZeRO-3 Offload", "DPU"]
-OPTIONS = ["Prefetch", "Recompute", "Copy stream", "ZeRO-3 Offload", "DPU"]  # never a file's default: its newest idea is the stage's own
+TAGS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Prefetch", "Recompute", "Offload", "Copy stream", "ZeRO-3 Offload", "DPU", "NVMe"]
+OPTIONS = ["Prefetch", "Recompute", "Copy stream", "ZeRO-3 Offload", "DPU", "NVMe"]  # never a file's default: its newest idea is the stage's own
 BEGIN = re.compile(r"^(?P<indent>\s*)# \[(?P<tag>[\w-]+(?: [\w-]+)*)\] (?P<todo>.+)$")
 END = re.compile(r"^\s*# \[/(?P<tag>[\w-]+(?: [\w-]+)*)\]\s*$")
 

@@ -33,13 +33,15 @@ LESSONS = [
     ("4_prefetch", "stage3.py - Prefetch - Recompute", "stage3.py - Recompute",
      "the next unit gathered while this one computes"),
     ("5_recompute", "stage3.py - Recompute", "stage3.py", "a unit gathered again for its recompute (activation checkpointing)"),
-    ("6_offload", "stage3.py", "offload.py - Copy stream - ZeRO-3 Offload - DPU",
+    ("6_offload", "stage3.py", "offload.py - Copy stream - ZeRO-3 Offload - DPU - NVMe",
      "the optimizer on the CPU (ZeRO-Offload)"),
-    ("7_copy_stream", "offload.py - Copy stream - ZeRO-3 Offload - DPU", "offload.py - ZeRO-3 Offload - DPU",
+    ("7_copy_stream", "offload.py - Copy stream - ZeRO-3 Offload - DPU - NVMe", "offload.py - ZeRO-3 Offload - DPU - NVMe",
      "the copies on a stream of their own, beside compute"),
-    ("8_offload_params", "offload.py - ZeRO-3 Offload - DPU", "offload.py - DPU",
+    ("8_offload_params", "offload.py - ZeRO-3 Offload - DPU - NVMe", "offload.py - DPU - NVMe",
      "the parameter shard on the CPU too (--offload_params)"),
-    ("9_delayed_update", "offload.py - DPU", "offload.py", "the CPU update during the next step (--delayed_update)"),
+    ("9_delayed_update", "offload.py - DPU - NVMe", "offload.py - NVMe",
+     "the CPU update during the next step (--delayed_update)"),
+    ("10_nvme", "offload.py - NVMe", "offload.py", "the optimizer states on NVMe (ZeRO-Infinity)"),
 ]
 
 

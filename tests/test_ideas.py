@@ -11,6 +11,8 @@ lesson (course/make_lessons.py), so that a step between two lessons is graded as
     Copy stream       on the fake CUDA device, the copies between device and host run on a stream of their own
     ZeRO-3 Offload    --offload_params: on the fake CUDA device, the all-gathers are issued beside compute
     DPU               --delayed_update: it trains exactly one step stale (test_offload.py's reference)
+    NVMe              --offload_optimizer nvme: it trains as the reference does, the host holds no optimizer state, and
+                      the state file holds 12Ψ/N and is gone at the end
 
 The fake-device runs (tests/fake_cuda.py) also refuse what CUDA would (a copy from pageable memory, an unordered
 access between streams). tests/test_course.py grades each lesson's step before as if it were the step after: it fails
@@ -37,8 +39,9 @@ sys.path.insert(0, str(ROOT / "course"))
 from make_lessons import LESSONS  # noqa: E402
 
 # the ideas in the ladder's order, and the first k a stage holds
-IDEAS = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "Prefetch", "Recompute", "Offload", "Copy stream", "ZeRO-3 Offload", "DPU"]
-STAGE_IDEAS = {"stage0": 0, "stage1": 1, "stage2": 2, "stage3": 5, "offload": 9}
+IDEAS = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "Prefetch", "Recompute", "Offload", "Copy stream", "ZeRO-3 Offload", "DPU",
+         "NVMe"]
+STAGE_IDEAS = {"stage0": 0, "stage1": 1, "stage2": 2, "stage3": 5, "offload": 10}
 LESSON_IDEAS = {name: k + 1 for k, (name, *_) in enumerate(LESSONS)}
 assert len(LESSONS) == len(IDEAS), "a lesson per idea: update IDEAS"
 # ZeRO-k: the categories that must be this rank's 1/N shard, as the stage that brings the idea counts them
@@ -143,10 +146,26 @@ def check_delayed_update(idea, runner, stage_file, delayed_reference, **_):
     compare_params(delayed_reference.master, s.master, where)
 
 
+def check_nvme(idea, runner, stage_file, tmp_path, reference, **_):
+    run = run_or_fail(idea, lambda: runner.run(stage_file, 2, *MODEL, *TRAIN, "--offload_optimizer", "nvme",
+                                                "--nvme_path", str(tmp_path)))
+    s = run.summary
+    where = f"[{idea}] with --offload_optimizer nvme at N=2"
+    k = first_difference(reference.summary["losses"], s["losses"], LOSS_ATOL)
+    assert k is None, f"{where}: the loss at step {k} differs from the reference's"
+    compare_params(reference.master, run.master, where)
+    held = {"master", "adam_m", "adam_v"} & set(s["model_state_bytes"])
+    assert not held, f"{where}: the host still holds {sorted(held)}: the optimizer states are not on disk"
+    on_disk = s.get("disk_bytes", {}).get("measured", 0)
+    assert on_disk >= 12 * s["padded_numel"] // 2, (
+        f"{where}: the state file holds {on_disk:,} bytes, less than 12Ψ/N = {12 * s['padded_numel'] // 2:,}")
+    assert not os.listdir(tmp_path), f"{where}: the state files outlived the run: {os.listdir(tmp_path)}"
+
+
 CHECKS = {"ZeRO-1": check_sharded, "ZeRO-2": check_sharded, "ZeRO-3": check_sharded, "Prefetch": check_prefetch,
           "Recompute": check_recompute, "Offload": check_offload, "Copy stream": check_copy_stream, "ZeRO-3 Offload": check_offload_params,
-          "DPU": check_delayed_update}
-FIXTURES = {"Recompute": "reference", "DPU": "delayed_reference"}  # the reference runs only the ideas that need one
+          "DPU": check_delayed_update, "NVMe": check_nvme}
+FIXTURES = {"Recompute": "reference", "DPU": "delayed_reference", "NVMe": "reference"}  # the reference runs only the ideas that need one
 
 
 @pytest.mark.parametrize("idea", IDEAS, ids=[idea.replace(" ", "_") for idea in IDEAS])

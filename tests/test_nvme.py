@@ -79,12 +79,14 @@ def one_line(error):
 
 
 def test_aligned_buffers():
-    """aligned(): the address a multiple of ALIGN, the size rounded up to it, every byte usable."""
+    """aligned(): the address a multiple of ALIGN, the size rounded up to it and no more held (the memory table counts
+    the buffers' storage), every byte usable."""
     for nbytes in (1, ALIGN - 1, ALIGN, ALIGN + 1, MiB + 3, 4 * MiB):
         buffers = [aligned(nbytes) for _ in range(4)]  # several, so that some land where the allocator did not align
         for b in buffers:
             assert b.dtype == torch.uint8 and b.is_contiguous() and b.data_ptr() % ALIGN == 0, (nbytes, b.data_ptr())
             assert b.numel() == -(-nbytes // ALIGN) * ALIGN == round_up(nbytes), (nbytes, b.numel())
+            assert b.untyped_storage().nbytes() == b.numel(), (nbytes, b.untyped_storage().nbytes())
             b.fill_(7)
             assert int(b.sum()) == 7 * b.numel()
 

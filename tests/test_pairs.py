@@ -24,12 +24,13 @@ from conftest import ROOT, Runner, last_lines
 FAKE_CUDA = str(ROOT / "tests" / "fake_cuda.py")
 ENGINES = {"stage0": ["stage0_ddp.py"], "stage1": ["stage1.py"], "stage2": ["stage2.py"], "stage3": ["stage3.py"],
            "offload": ["offload.py"], "offload_params": ["offload.py", "--offload_params"],
-           "delayed_update": ["offload.py", "--delayed_update"]}
+           "delayed_update": ["offload.py", "--delayed_update"],
+           "nvme": ["offload.py", "--offload_optimizer", "nvme", "--nvme_path", "{nvme_path}"]}
 FACTORS = {"engine": list(ENGINES), "dtype": ["fp32", "bf16", "fp16"], "nproc": [1, 2, 4], "grad_accum": [1, 2],
            "device": ["cpu", "fake_cuda"], "resume": [False, True], "checkpoint_activations": [False, True],
            "timeline": [False, True], "profile": [False, True], "save_master": [False, True],
            "no_clip": [False, True], "warmup0": [False, True], "no_prefetch": [False, True]}
-GATHERS = ("stage3", "offload", "offload_params", "delayed_update")  # the engines that take --no_prefetch
+GATHERS = ("stage3", "offload", "offload_params", "delayed_update", "nvme")  # the engines that take --no_prefetch
 REQUIRED = ([{"engine": e, "device": "fake_cuda", "resume": True} for e in ENGINES]
             + [{"dtype": d, "device": "fake_cuda", "checkpoint_activations": True} for d in FACTORS["dtype"]])
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -125,6 +126,10 @@ def train(tmp, script, args, row, findings):
 @pytest.mark.parametrize("row", ROWS, ids=[name(r) for r in ROWS])
 def test_every_pair_runs(tmp_path, row):
     script, args = command(row)
+    # the NVMe tier's state files: a directory of the row's own, empty again at every run's end
+    nvme_path = tmp_path / "nvme"
+    nvme_path.mkdir()
+    args = [str(nvme_path) if a == "{nvme_path}" else a for a in args]
     findings = tmp_path / "findings"
     if row["resume"]:  # the row run straight for 4 steps, saving after step 2; the run below resumes from there
         # (and trains 2 steps, as every row: --profile needs one the memory meter leaves alone)
@@ -160,6 +165,7 @@ def test_every_pair_runs(tmp_path, row):
         assert "activations checkpointed" in job.stdout, text
     if row["save_master"]:
         assert files["--save_master"].stat().st_size > 0
+    assert not list(nvme_path.iterdir()), f"state files left after the run: {list(nvme_path.iterdir())}"
     for option, trace in (("--timeline", "trace_rank{}.json"), ("--profile", "rank{}.json")):
         for r in range(row["nproc"] if option in files else 0):
             assert (files[option] / trace.format(r)).exists(), f"{option}: no {trace.format(r)} in {files[option]}"

@@ -13,16 +13,16 @@ from make_lessons import LESSONS, lesson, table  # noqa: E402
 # each lesson (course/make_lessons.py): the most code lines, and the most other lines, it may change
 LESSON_LIMITS = {"1_zero1": (50, 60), "2_zero2": (40, 40), "3_zero3": (60, 50), "4_prefetch": (10, 5),
                  "5_recompute": (5, 5), "6_offload": (60, 60), "7_copy_stream": (15, 10), "8_offload_params": (25, 10),
-                 "9_delayed_update": (45, 15)}  # every lesson: at most 60 code lines
+                 "9_delayed_update": (45, 15), "10_nvme": (60, 20)}  # every lesson: at most 60 code lines
 # the fenced lessons (an idea inside a file): the most regions each may fence, in the file that holds it
 FENCED_REGIONS = {("stage3.py", "Prefetch"): 2, ("stage3.py", "Recompute"): 2, ("offload.py", "Copy stream"): 2,
-                  ("offload.py", "ZeRO-3 Offload"): 1, ("offload.py", "DPU"): 1}
+                  ("offload.py", "ZeRO-3 Offload"): 1, ("offload.py", "DPU"): 1, ("offload.py", "NVMe"): 1}
 # offload.py fences its own ideas only (the exercise's [Offload] and the three lessons after it); the ideas it keeps
 # from stage 3 are fenced in stage1.py to stage3.py, whose exercises blank them
 MOST_FENCE_LINES = {"offload.py": 20}
 # Loose on purpose: room for clarity, never a budget to pack lines into (no tuple of unrelated values, no long calls).
-MOST_LINES = {"train_gpt.py": 540, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 300,
-              "offload.py": 470}
+MOST_LINES = {"train_gpt.py": 570, "stage0_ddp.py": 300, "stage1.py": 300, "stage2.py": 300, "stage3.py": 300,
+              "offload.py": 560}
 WIDTH = 120
 
 
@@ -49,7 +49,8 @@ def test_each_lesson_is_small(name, before, after):
 # each lesson's question in README's "Questions for students", and its answer in course/ANSWERS.md, by this label
 QUESTION_OF = {"1_zero1": "Stage 1", "2_zero2": "Stage 2", "3_zero3": "Stage 3", "4_prefetch": "Prefetch",
                "5_recompute": "Recompute", "6_offload": "Offload", "7_copy_stream": "Copy stream",
-               "8_offload_params": "Offload params", "9_delayed_update": "Delayed update"}
+               "8_offload_params": "Offload params", "9_delayed_update": "Delayed update",
+               "10_nvme": "NVMe"}
 
 
 def test_every_lesson_has_a_question_and_its_answer():

@@ -1,0 +1,133 @@
+"""offload.py --offload_optimizer nvme, ZeRO-Infinity's NVMe tier, against offload with the optimizer states in host
+memory: the same C++ AdamW on the same numbers in the same order, so every loss, gradient norm and final weight is
+bit-identical, at N = 1 and 2, in fp32, bf16 and fp16, with --offload_params, --delayed_update, --grad_accum 2 and
+every buffer count's overlap. The memory table measures the tier (the state file's size on disk, the host buffers
+instead of the states); the files are gone at the end; checkpoints move between the tiers; a run killed mid-step, or
+one whose disk fills up mid-run, resumes from its last checkpoint bit for bit; bad paths get one line."""
+import os
+import re
+
+import pytest
+
+from conftest import ROOT
+from test_checkpoint import assert_same_run
+from test_stages import MODEL, TRAIN
+
+OFFLOAD = str(ROOT / "offload.py")
+BUCKETS = 3  # MODEL's units: its 2 blocks and the root, a bucket each
+
+
+def with_options(options):
+    """TRAIN with `options`: its --dtype replaced, the others added."""
+    train = list(TRAIN)
+    options = list(options)
+    if "--dtype" in options:
+        at = options.index("--dtype")
+        train[train.index("--dtype") + 1] = options[at + 1]
+        del options[at:at + 2]
+    return train + options
+
+
+def nvme(path):
+    return ["--offload_optimizer", "nvme", "--nvme_path", str(path)]
+
+
+CASES = {
+    "fp32-N1": (1, ["--dtype", "fp32"]),
+    "fp32-N2-one_buffer": (2, ["--dtype", "fp32", "--nvme_buffer_count", "1"]),
+    "bf16-N2-offload_params-two_buffers": (2, ["--dtype", "bf16", "--offload_params", "--nvme_buffer_count", "2"]),
+    "fp16-N2-delayed_update": (2, ["--dtype", "fp16", "--delayed_update"]),
+    "bf16-N1-offload_params-delayed_update": (1, ["--dtype", "bf16", "--offload_params", "--delayed_update"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bit_identical_to_the_states_in_memory(runner, tmp_path, case):
+    """Every case at --grad_accum 2 (TRAIN's), against the same run with the states in host memory."""
+    nproc, options = CASES[case]
+    # (--nvme_buffer_count is the tier's option: the run in memory takes the rest)
+    in_memory = [o for o in options if o not in ("--nvme_buffer_count", "1", "2")]
+    ram = runner.run(OFFLOAD, nproc, *MODEL, *with_options(in_memory))
+    disk = runner.run(OFFLOAD, nproc, *MODEL, *with_options(options), *nvme(tmp_path))
+    assert_same_run(ram, disk, f"offload with its states on NVMe ({case})")
+    assert os.listdir(tmp_path) == [], f"the state files outlived the run: {os.listdir(tmp_path)}"
+    s = disk.summary
+    for category, v in s["model_state_bytes"].items():
+        assert v["measured"] == v["theory"], f"{category}: measured {v['measured']:,}, formula {v['theory']:,}"
+    placed = {k: v["where"] for k, v in s["model_state_bytes"].items()}
+    assert not {"master", "adam_m", "adam_v"} & set(placed) and placed["nvme_buffers"] == "host", placed
+    # nor does the engine keep them unlisted: nothing of theirs among what else it holds
+    kept = [k for k in s["other_named"] if "master" in k or "exp_avg" in k]
+    assert not kept, f"the host still holds optimizer states: {kept} ({s['other_named']})"
+    # the state file, as the filesystem sizes it: 12Ψ/N, each bucket's from an offset aligned to 4 KiB
+    d = s["disk_bytes"]
+    assert d["theory"] == 12 * s["padded_numel"] // nproc
+    assert d["theory"] <= d["measured"] < d["theory"] + 4096 * BUCKETS, d
+    assert re.search(r"^on disk: the state file [\d.]+ MiB \(formula 12Ψ/N", disk.stdout, re.M), disk.stdout[-2000:]
+
+
+def test_checkpoints_move_between_the_tiers(runner, tmp_path):
+    """Steps 1-2 with the states in memory, 3-4 on NVMe, 5-6 in memory again, each leg resuming the last one's
+    checkpoint: the uninterrupted run's result, bit for bit."""
+    train = with_options(["--offload_params"])
+    straight = runner.run(OFFLOAD, 2, *MODEL, *train)
+    first, second = tmp_path / "first", tmp_path / "second"
+    runner.run(OFFLOAD, 2, *MODEL, *train, "--stop_after", "2", "--ckpt_dir", str(first))
+    runner.run(OFFLOAD, 2, *MODEL, *train, *nvme(tmp_path), "--resume", str(first), "--stop_after", "4",
+               "--ckpt_dir", str(second))
+    assert not list(tmp_path.glob("*.states")), "the NVMe leg left its state files"
+    last = runner.run(OFFLOAD, 2, *MODEL, *train, "--resume", str(second))
+    assert "step_000004" in last.stdout, last.stdout
+    assert_same_run(straight, last, "offload: memory, then NVMe, then memory, resumed from each other's checkpoints")
+
+
+def test_a_rank_killed_mid_step_resumes_bit_for_bit(runner, tmp_path):
+    """Rank 1 SIGKILLed at its 9th backward (step 5's first micro-step, after the step-4 save): resumed, on NVMe
+    again, the run equals the uninterrupted one."""
+    ckpt = tmp_path / "ckpt"
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'kill_point'}:{ROOT}", "KILL_RANK": "1", "KILL_AT": "backward:9"}
+    p = runner.launch(OFFLOAD, 2, *MODEL, *TRAIN, *nvme(tmp_path), "--save_every", "2", "--ckpt_dir", str(ckpt),
+                      env=env)
+    assert p.returncode != 0 and ("SIGKILL" in p.stderr or "Signal 9" in p.stderr), p.stderr[-2000:]
+    straight = runner.run(OFFLOAD, 2, *MODEL, *TRAIN)
+    again = tmp_path / "again"
+    again.mkdir()
+    resumed = runner.run(OFFLOAD, 2, *MODEL, *TRAIN, *nvme(again), "--resume", str(ckpt))
+    assert "step_000004" in resumed.stdout, resumed.stdout
+    assert_same_run(straight, resumed, "offload on NVMe, rank 1 killed mid-step, then resumed")
+
+
+def test_a_full_disk_mid_run_stops_with_one_line(runner, tmp_path):
+    """The disk fills up during step 4's writes (tests/disk_full): the run stops with one line naming the operation
+    and the file, no traceback; the step-2 checkpoint is intact, and resuming from it gives the uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    states = tmp_path / "states"
+    states.mkdir()
+    # 3 buckets written at the start and at each step: the 13th write is step 4's first
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'disk_full'}:{ROOT}", "DISK_FULL_AFTER": str(BUCKETS * 4)}
+    p = runner.launch(OFFLOAD, None, *MODEL, *TRAIN, *nvme(states), "--save_every", "2", "--ckpt_dir", str(ckpt),
+                      env=env)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert len(errors) == 1 and re.search(rf"write of [\d,]+ bytes at offset [\d,]+ of {states}/\S+ failed: disk full",
+                                          errors[0]), p.stderr[-3000:]
+    # (a write's error shows where its buffer is next waited for: here at the step-4 save, which stays incomplete)
+    assert (ckpt / "step_000002" / "manifest.json").exists() and not (ckpt / "step_000004" / "manifest.json").exists()
+    straight = runner.run(OFFLOAD, None, *MODEL, *TRAIN)
+    resumed = runner.run(OFFLOAD, None, *MODEL, *TRAIN, *nvme(states), "--resume", str(ckpt),
+                         "--ckpt_dir", str(tmp_path / "continued"))
+    assert_same_run(straight, resumed, "offload on NVMe, its disk full in step 4, then resumed from step 2")
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--offload_optimizer", "nvme"], "needs --nvme_path DIR"),
+    (["--nvme_path", "/tmp"], "is for --offload_optimizer nvme"),
+    (["--offload_optimizer", "nvme", "--nvme_path", "/tmp", "--nvme_buffer_count", "0"], "must be at least 1"),
+    (["--offload_optimizer", "nvme", "--nvme_path", "/no/such/dir"], "/no/such/dir does not exist"),
+    (["--offload_optimizer", "nvme", "--nvme_path", "/proc"], "/proc is not writable"),
+], ids=["no_path", "path_without_nvme", "no_buffer", "missing_dir", "read_only"])
+def test_bad_paths_get_one_line(runner, options, expected):
+    p = runner.launch(OFFLOAD, None, "--preset", "tiny", "--steps", "1", "--no_progress", *options)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(errors) == 1 and expected in errors[0], p.stderr[-2000:]
