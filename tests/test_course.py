@@ -47,11 +47,12 @@ def test_exercises_import_and_fail_with_their_todo(tmp_path):
 
 
 def test_each_marker_blanks_on_its_own():
-    """offload.py's ideas, the offload itself, the copy stream, the parameter shard in CPU memory and the delayed
-    update, are fenced apart (the ideas it keeps from stage 3 are fenced in stage3.py): each one's exercise blanks its
-    own regions and leaves every other idea's as they are."""
+    """offload.py's ideas, the offload itself, the copy stream, the parameter shard in CPU memory, the delayed update
+    and the states on NVMe, are fenced apart (the ideas it keeps from stage 3 are fenced in stage3.py): each one's
+    exercise blanks its own regions and leaves every other idea's as they are."""
     source = (ROOT / "offload.py").read_text()
-    assert tags_in(source) == ["Offload", "Copy stream", "ZeRO-3 Offload", "DPU"] and newest_idea(source) == ["Offload"]
+    assert tags_in(source) == ["Offload", "Copy stream", "ZeRO-3 Offload", "DPU", "NVMe"]
+    assert newest_idea(source) == ["Offload"]
     for tag in tags_in(source):
         exercise = make_exercise(source, [tag])
         compile(exercise, f"offload_{tag}.py", "exec")
