@@ -95,6 +95,9 @@ class Timeline:
     - the optimizer step (engine.step), and offload's device-host copies (the copy methods of engine.copies) and C++
       AdamW calls (engine.adam.adam_step), wrapped on the instance; with --delayed_update, the host's wait for the
       update in flight (the futures of engine.updater), a host wait.
+    - offload's NVMe tier (engine.disk, an nvme.DiskStates): each read and write of its state file, from its submission
+      to its Future's completion (a callback on the pool thread that ran it, host clock), with its bytes, in rows of
+      their own; the host's wait for a transfer (the Future's result()) is a host wait.
     A moment of the computing thread is drawn once: inside a collective's call ("issue <op>", "wait <op>": a blocking
     collective is all wait), in the copies, C++ AdamW or host waits row when that thread runs them, or else as compute.
     On a GPU the compute row is the compute stream's kernels, not the time between the marks: the traced step runs
@@ -104,7 +107,8 @@ class Timeline:
     thread's time inside collective calls is drawn there too. Copies and collectives are timed by CUDA events on the
     stream doing the work (copy, or for a collective's end the stream its future's callback runs on), read after the
     step; marks, calls and the C++ AdamW on the host clock."""
-    ROWS = {"compute": 0, "communication": 100, "copies": 200, "cpu adam": 300, "host waits": 400}
+    ROWS = {"compute": 0, "communication": 100, "copies": 200, "cpu adam": 300, "host waits": 400, "nvme reads": 500,
+            "nvme writes": 600}
     # the rows' trace tids; communication + k: the collectives' lane k
     ANCHOR = "timeline: host clock"  # a profiler annotation recorded at a known host moment (on a GPU)
 
@@ -119,7 +123,8 @@ class Timeline:
         self.cuda, self.on = device.type == "cuda", True
         self.thread, self.here = threading.get_ident(), lambda: threading.get_ident() == self.thread
         self.stack, self.since = [], None  # the compute row now: the top's label (None: not compute), since when
-        self.segments, self.calls, self.collectives, self.spans = [], [], [], {"copies": [], "cpu adam": []}
+        self.segments, self.calls, self.collectives, self.spans = [], [], [], {"copies": [], "cpu adam": [],
+                                                                       "nvme reads": [], "nvme writes": []}
         self.waits = []  # the host's waits: (name, start, end) on the host clock
         buckets = getattr(engine, "buckets", None)
         if buckets and all(hasattr(b, "module") for b in buckets):  # the engine's units: each trained parameter's
@@ -161,7 +166,25 @@ class Timeline:
         if hasattr(adam, "adam_step"):  # offload's C++ module: wrapped in a copy of its namespace, not in the module
             engine.adam = types.SimpleNamespace(**{k: getattr(adam, k) for k in dir(adam) if not k.startswith("__")})
             engine.adam.adam_step = self._wrap(adam.adam_step, *self._span("cpu adam", "adam_step", "host"))
+        disk = getattr(engine, "disk", None)
+        if disk is not None:  # offload's NVMe tier: its state file's transfers, wrapped on the instance
+            disk.file.read = self._transfer("nvme reads", "read", disk.file.read)
+            disk.file.write = self._transfer("nvme writes", "write", disk.file.write)
         comm.timeline = self
+
+    def _transfer(self, row, name, submit):
+        """submit (a StateFile's read or write), each transfer a span of `row` from its submission to its Future's
+        completion, with its bytes; its Future's result() timed as a host wait."""
+        def wrapped(offset, buffer):
+            if not self.on:
+                return submit(offset, buffer)
+            span = [name, time.perf_counter(), None, False, dict(MiB=round(buffer.numel() / 2**20, 3))]
+            self.spans[row].append(span)
+            future = submit(offset, buffer)
+            # the callback runs on the pool thread as the transfer ends (or here, if it has ended already)
+            future.add_done_callback(lambda _: span.__setitem__(2, time.perf_counter()))
+            return TimedFuture(future, self, f"wait nvme {name}")
+        return wrapped
 
     def now(self, stream=None):
         """This moment: the host clock (CLOCK_MONOTONIC, shared by the ranks of one machine); with CUDA, an event on
@@ -321,7 +344,7 @@ class Timeline:
                                    args=args))
         sec = lambda span: (span[0], self._seconds(span[1]), None if span[2] is None else self._seconds(span[2]))
         holes = [(a, t1 if b is None else b) for _, a, b in self.calls + self.waits]
-        holes += [(a, t1 if b is None else b) for row in self.spans.values() for _, a, b, here in row if here]
+        holes += [(a, t1 if b is None else b) for row in self.spans.values() for _, a, b, here, *_ in row if here]
         if kernels is None:
             compute = host_compute(self.segments, holes)
         else:
@@ -341,8 +364,9 @@ class Timeline:
             lanes[lane] = t1 if b is None else b  # busy until then
             add(c["name"], "communication", a, b, self.ROWS["communication"] + lane, MiB=round(c["MiB"], 3))
         for row, spans in self.spans.items():
-            for name, a, b in map(sec, spans):
-                add(name, row, a, b)
+            for span in spans:  # (an NVMe transfer's span carries its MiB)
+                name, a, b = sec(span)
+                add(name, row, a, b, **(span[4] if len(span) > 4 else {}))
         def row_name(tid):  # "communication 2": its second lane
             base, row = max((base, row) for row, base in self.ROWS.items() if base <= tid)
             return row + (f" {tid - base + 1}" if tid > base else "")
@@ -373,9 +397,10 @@ class TimedWork:
         return getattr(self.work, name)
 
 class TimedFuture:
-    """A future of --delayed_update's thread whose result() and exception() are timed: the host waits for the update."""
-    def __init__(self, future, timeline):
-        self.future, self.timeline = future, timeline
+    """A future whose result() and exception() are timed, a host wait named `name`: --delayed_update's thread (the host
+    waits for the update), or an NVMe transfer (the host waits for the disk)."""
+    def __init__(self, future, timeline, name="wait cpu adam"):
+        self.future, self.timeline, self.name = future, timeline, name
 
     def _timed(self, method, *args, **kwargs):
         t = time.perf_counter()
@@ -383,7 +408,7 @@ class TimedFuture:
             return method(*args, **kwargs)
         finally:
             if self.timeline.on:
-                self.timeline.waits.append(("wait cpu adam", t, time.perf_counter()))
+                self.timeline.waits.append((self.name, t, time.perf_counter()))
 
     def result(self, *args, **kwargs):
         return self._timed(self.future.result, *args, **kwargs)

@@ -14,18 +14,19 @@ Every option it does not know goes to the stage file. It runs `torchrun --standa
 records the run's last step on every rank, and then writes
     DIR/trace.json     the ranks' traces merged, in the Chrome trace format (open it in https://ui.perfetto.dev or
                        chrome://tracing): a process per rank, rows compute, communication (a lane per collective in
-                       flight at once), copies, cpu adam and host waits (the host stopped for the GPU, or for
-                       --delayed_update's thread). Compute is "forward <unit>", "backward <unit>" and "optimizer
-                       step", the units the engine's own (stage 3's buckets), or else each block and the root: on a
-                       CPU the computing thread's time, on a GPU the compute stream's kernels, each named by the part
-                       that launched it ("other": the engine's hooks); "issue <op>" and "wait <op>" are the computing
-                       thread inside a collective's call (on a GPU drawn in the host waits row; instruments.Timeline
-                       says how each moment is measured). Times are microseconds from the start of the earliest rank's
-                       step.
+                       flight at once), copies, cpu adam, host waits (the host stopped for the GPU, for
+                       --delayed_update's thread or for the disk), and with --offload_optimizer nvme the state file's
+                       nvme reads and nvme writes, each from its submission to its completion. Compute is
+                       "forward <unit>", "backward <unit>" and "optimizer step", the units the engine's own (stage 3's
+                       buckets), or else each block and the root: on a CPU the computing thread's time, on a GPU the
+                       compute stream's kernels, each named by the part that launched it ("other": the engine's
+                       hooks); "issue <op>" and "wait <op>" are the computing thread inside a collective's call (on a
+                       GPU drawn in the host waits row; instruments.Timeline says how each moment is measured). Times
+                       are microseconds from the start of the earliest rank's step.
     DIR/timeline.png   the same picture: a band per rank (the ranks of one machine share its clock)
     DIR/run.json       the run's summary (train_gpt --out), with its tokens per second
-and prints, per rank and over all ranks, the overlap fraction of communication (and of copies, the C++ AdamW and the
-host's waits):
+and prints, per rank and over all ranks, the overlap fraction of communication (and of copies, the C++ AdamW, the
+host's waits and the NVMe tier's reads and writes, which are also measured against the C++ AdamW):
 
     overlap = |union(communication intervals) ∩ union(compute intervals)| / |union(communication intervals)|
 
@@ -45,10 +46,11 @@ from pathlib import Path
 from results import add_flag, publish
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ["compute", "communication", "copies", "cpu adam", "host waits"]
+ROWS = ["compute", "communication", "copies", "cpu adam", "host waits", "nvme reads", "nvme writes"]
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "comm call": "#C8C8C8",
           "all_reduce": "#C44E52", "reduce_scatter": "#8172B3", "all_gather": "#937860",
-          "copies": "#DA8BC3", "cpu adam": "#CCB974", "host waits": "#8C8C8C", "other": "#64B5CD"}
+          "copies": "#DA8BC3", "cpu adam": "#CCB974", "host waits": "#8C8C8C", "other": "#64B5CD",
+          "nvme reads": "#2CA02C", "nvme writes": "#D62728"}
 DEFAULTS = ["--steps", "6", "--no_progress", "--sample_chars", "0", "--eval_batches", "1"]
 
 
@@ -115,8 +117,9 @@ def intersection(xs, ys):
     return out
 
 
-def overlaps(trace):
-    """{row: {rank: (time overlapped by compute, time in the row)}} in microseconds, for the rows other than compute."""
+def overlaps(trace, under="compute"):
+    """{row: {rank: (time overlapped by row `under`, time in the row)}} in microseconds, for the rows after compute
+    (other than `under`)."""
     spans = {}
     for e in trace["traceEvents"]:
         if e.get("ph") == "X":
@@ -124,10 +127,10 @@ def overlaps(trace):
     ranks = sorted({pid for _, pid in spans})
     result = {}
     for row in ROWS[1:]:
-        if any((row, r) in spans for r in ranks):
+        if row != under and any((row, r) in spans for r in ranks):
             result[row] = {}
             for r in ranks:
-                busy, compute = union(spans.get((row, r), [])), union(spans.get(("compute", r), []))
+                busy, compute = union(spans.get((row, r), [])), union(spans.get((under, r), []))
                 result[row][r] = (length(intersection(busy, compute)), length(busy))
     return result
 
@@ -154,7 +157,8 @@ def plot(trace, path, title):
             events = [e for e in xs if e["pid"] == r and row_of(e) == row]
             lanes = 1 + max([e["tid"] % 100 for e in events], default=0)
             for e in events:
-                drawn_by_row = e["cat"] in ("comm call", "copies", "cpu adam", "host waits")
+                drawn_by_row = e["cat"] in ("comm call", "copies", "cpu adam", "host waits", "nvme reads",
+                                            "nvme writes")
                 kind = e["cat"] if drawn_by_row else e["name"].split()[0]
                 lane = e["tid"] % 100
                 h = 0.8 / lanes
@@ -226,6 +230,11 @@ def main():
         lines.append(f"{row} overlapped by compute: {fraction(o, t):.1%}")
         print(lines[-1] + f" (all ranks; {t / 1e3:.1f} ms)")
         report.append(f"- {lines[-1]} (all ranks; {t / 1e3:.1f} ms)")
+    for row, per in overlaps(trace, under="cpu adam").items():  # the NVMe tier's transfers beside the C++ AdamW
+        if row.startswith("nvme"):
+            o, t = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())
+            print(f"{row} overlapped by cpu adam: {fraction(o, t):.1%} (all ranks; {t / 1e3:.1f} ms)")
+            report.append(f"- {row} overlapped by cpu adam: {fraction(o, t):.1%} (all ranks; {t / 1e3:.1f} ms)")
     plot(trace, out_dir / "timeline.png", head + "\n" + "; ".join(lines))
     print(f"wrote {out_dir / 'trace.json'} (open in https://ui.perfetto.dev) and {out_dir / 'timeline.png'}")
     if args.results:  # the report, the picture and the trace, named after DIR: bench/results/timeline/<DIR's name>.*

@@ -257,18 +257,31 @@ def test_misuse_is_named(disk):
 
 
 def test_bench_quick(tmp_path):
-    """bench/bench_nvme.py --quick, with --results to a directory of its own: the table (a row for 1 thread and one for
-    the default 2, numbers in each) names the machine, the filesystem and O_DIRECT, is written with its header, and
-    the temporary directory it measured in is gone."""
+    """bench/bench_nvme.py --quick, with --results to a directory of its own: the disk's table (a row for 1 thread and
+    one for the default 2, numbers in each) names the machine, the filesystem and O_DIRECT, is written with its header;
+    the tier's table (three tiny training runs) has every figure, a goal and a verdict beside each goal, and its
+    picture; the temporary directory it measured in is gone."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_nvme.py"), "--quick", "--results", str(tmp_path)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.startswith("Machine: ") and "Command: `python bench/bench_nvme.py --quick" in out.stdout
     kind = filesystem(tmp_path)[0]
     assert f"{kind} on " in out.stdout and ("O_DIRECT" in out.stdout or "buffered" in out.stdout), out.stdout
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| threads")]
+    rows = [line for line in out.stdout.split("The NVMe tier")[0].splitlines()
+            if line.startswith("| ") and not line.startswith("| threads")]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "2"], out.stdout
     assert all(float(cell.replace(",", "")) > 0 for r in rows for cell in r.split("|")[2:4]), rows
     table = (tmp_path / "nvme_disk.md").read_text()
     assert table.startswith("Machine: ") and rows[0] in table
     assert not list(tmp_path.glob(".nvme-bench-*")), list(tmp_path.iterdir())
+    tier = (tmp_path / "nvme_tier.md").read_text()
+    assert tier.startswith("Machine: ") and f"{kind} on " in tier and tier.split("\n", 2)[2] in out.stdout, tier
+    figures = {r.split("|")[1].strip(): r.split("|")[2:5] for r in tier.splitlines() if r.startswith("| ")}
+    for name in ("tier's read, 3 buffers", "tier's write, 3 buffers", "tier's reads and writes, 3 buffers",
+                 "C++ AdamW per step", "step, states in RAM",
+                 "step, NVMe, 1 buffer", "step, NVMe, 3 buffers", "I/O time per step"):
+        [value] = [v for k, v in figures.items() if k.startswith(name)]
+        assert float(value[0].split()[0].replace(",", "")) > 0, (name, value)
+    goals = [v for v in figures.values() if v[1].strip().startswith(("≥", "≤"))]
+    assert len(goals) == 5 and all(v[2].strip().startswith(("met", "missed")) for v in goals), goals
+    assert (tmp_path / "nvme_tier.png").stat().st_size > 0

@@ -237,3 +237,32 @@ def test_cpu_adam_in_step_is_not_compute(timeline):
         adam = spans(trace, rank, lambda e: e["cat"] == "cpu adam")
         computes = spans(trace, rank, lambda e: e["cat"] == "compute")
         assert adam and not any(overlap(a, c) > 1e-3 for a in adam for c in computes), f"rank {rank}: adam as compute"
+
+
+def reads_under_adam(trace, rank):
+    """How many of rank's NVMe reads were in flight while a C++ AdamW call ran, and how many reads there were."""
+    reads = spans(trace, rank, lambda e: e["cat"] == "nvme reads")
+    adam = spans(trace, rank, lambda e: e["cat"] == "cpu adam")
+    return sum(any(overlap(r, a) > 0 for a in adam) for r in reads), len(reads)
+
+
+def test_nvme_reads_run_beside_adam(timeline, tmp_path_factory):
+    """offload --offload_optimizer nvme: the state file's reads and writes are rows of their own, each with its bytes,
+    beside cpu adam. With 3 buffers the next bucket's states are read while AdamW updates this one, so some read is in
+    flight during an AdamW call; with 1 buffer every read is waited for before the update that needs it, so none is.
+    One rank (--nproc 1 after the fixture's 2: the last wins), the tier being each rank's own."""
+    path = tmp_path_factory.mktemp("nvme")  # pytest's own directory: a disk, or else tmpfs, where the file is buffered
+    for count, ahead in (("3", True), ("1", False)):
+        printed, trace, _ = timeline("offload.py", "--nproc", "1", "--offload_optimizer", "nvme", "--nvme_path",
+                                     str(path), "--nvme_buffer_count", count)
+        assert "nvme reads overlapped by cpu adam" in printed, printed
+        rows = {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+        assert {"nvme reads", "nvme writes", "cpu adam"} <= rows, f"{count} buffer(s): rows {sorted(rows)}"
+        transfers = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"].startswith("nvme")]
+        assert all(e["args"]["MiB"] > 0 for e in transfers), transfers
+        under, reads = reads_under_adam(trace, 0)
+        if ahead:
+            assert under > 0, f"{count} buffers: none of {reads} reads ran beside AdamW"
+        else:
+            assert under == 0, f"{count} buffer: {under} of {reads} reads ran beside AdamW"
+    assert os.listdir(path) == [], os.listdir(path)
