@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT
 from test_checkpoint import assert_same_run
-from test_stages import MODEL, TRAIN
+from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference
+from test_stages import reference  # noqa: F401  (the fixture: the single-process reference run)
 
 OFFLOAD = str(ROOT / "offload.py")
 BUCKETS = 3  # MODEL's units: its 2 blocks and the root, a bucket each
@@ -66,9 +67,10 @@ def test_bit_identical_to_the_states_in_memory(runner, tmp_path, case):
     assert re.search(r"^on disk: the state file [\d.]+ MiB \(formula 12Ψ/N", disk.stdout, re.M), disk.stdout[-2000:]
 
 
-def test_checkpoints_move_between_the_tiers(runner, tmp_path):
+def test_checkpoints_move_between_the_tiers(runner, reference, tmp_path):
     """Steps 1-2 with the states in memory, 3-4 on NVMe, 5-6 in memory again, each leg resuming the last one's
-    checkpoint: the uninterrupted run's result, bit for bit."""
+    checkpoint: the uninterrupted run's result, bit for bit; and from the NVMe leg's checkpoint, stage 3 on one rank
+    continues the reference's curve."""
     train = with_options(["--offload_params"])
     straight = runner.run(OFFLOAD, 2, *MODEL, *train)
     first, second = tmp_path / "first", tmp_path / "second"
@@ -76,9 +78,15 @@ def test_checkpoints_move_between_the_tiers(runner, tmp_path):
     runner.run(OFFLOAD, 2, *MODEL, *train, *nvme(tmp_path), "--resume", str(first), "--stop_after", "4",
                "--ckpt_dir", str(second))
     assert not list(tmp_path.glob("*.states")), "the NVMe leg left its state files"
-    last = runner.run(OFFLOAD, 2, *MODEL, *train, "--resume", str(second))
+    last = runner.run(OFFLOAD, 2, *MODEL, *train, "--resume", str(second), "--ckpt_dir", str(tmp_path / "last"))
     assert "step_000004" in last.stdout, last.stdout
     assert_same_run(straight, last, "offload: memory, then NVMe, then memory, resumed from each other's checkpoints")
+    # the NVMe leg's checkpoint continued by another stage on another N: the reference's curve, to its tolerances
+    other = runner.run(str(ROOT / "stage3.py"), 1, *MODEL, *TRAIN, "--resume", str(second),
+                       "--ckpt_dir", str(tmp_path / "third"))
+    k = first_difference(reference.summary["losses"], other.summary["losses"], LOSS_ATOL)
+    assert k is None, f"stage 3 on 1 rank from the NVMe leg's checkpoint: the loss at step {k} differs"
+    compare_params(reference.master, other.master, "stage 3 on 1 rank, resumed from offload on NVMe on 2")
 
 
 def test_a_rank_killed_mid_step_resumes_bit_for_bit(runner, tmp_path):
