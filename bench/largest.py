@@ -243,6 +243,10 @@ class Prober:
             return False, 0, limit, 0.0
         t0 = time.perf_counter()
         gc.collect()
+        # What lives now outlives this probe (the imports, the prober and its data): the collector's permanent
+        # generation. This probe's collections and its peak meter's walk of the live tensors skip it, which on a CPU
+        # halves a probe's time; the bytes charged are the same (peak less base, and none of it is freed here).
+        gc.freeze()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         model = None

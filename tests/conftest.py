@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,19 @@ def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="also run tests/test_gpu.py on this machine's CUDA GPUs")
 
 
+# The files whose tests take longest in all (a minute or more each on 2 cores), longest first. `--dist loadfile`
+# hands a worker a whole file at a time, in the order collected: these go first, and the files of short tests come
+# last, where a long one would keep one worker busy while the other has nothing left to run.
+LONGEST_FIRST = ["test_course.py", "test_commands.py", "test_largest.py", "test_bench_fake_cuda.py",
+                 "test_end_of_run.py", "test_pairs.py", "test_gpu_check.py", "test_largest_agree.py"]
+
+
 def pytest_configure(config):
     ForkServer.enabled = not config.getoption("no_fork")
+    # pytest-xdist would sort the files by their number of tests, which puts the long files of few tests
+    # (test_gpu_check.py has one) last. Without that, it keeps the order pytest_collection_modifyitems makes.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     config.addinivalue_line("markers", "quick: the learner's check (`pytest tests -m quick`): every stage's parity with "
                             "the reference on 2 ranks")
 
@@ -48,11 +60,18 @@ def stage_files(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Grading a student's file (--stage) runs the checks of that file and nothing else."""
+    """Grading a student's file (--stage) runs the checks of that file and nothing else. The files run in the order
+    LONGEST_FIRST, then the others, those with more tests first; each file's tests in their own order."""
     if config.getoption("stage"):
         keep = [item for item in items if "stage_file" in getattr(item, "fixturenames", ())]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
+    tests = Counter(item.path.name for item in items)
+
+    def rank(item):
+        name = item.path.name
+        return (LONGEST_FIRST.index(name), 0) if name in LONGEST_FIRST else (len(LONGEST_FIRST), -tests[name])
+    items.sort(key=rank)
 
 
 def pytest_generate_tests(metafunc):

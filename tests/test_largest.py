@@ -10,9 +10,8 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import ROOT
+from conftest import ROOT, Runner, last_lines
 
 sys.path.insert(0, str(ROOT / "bench"))
 import largest  # noqa: E402
@@ -20,19 +19,18 @@ import largest  # noqa: E402
 SLACK = 16 * 1024  # small tensors an engine keeps besides its shards (Adam's step counter, ...)
 
 
-def construct(local_rank, world_size, port, stage, from_meta, out_dir):
-    """On each rank: build the GPT as main() does and the stage's engine, measuring the peak of live tensor bytes."""
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def construct(stage, from_meta, out_dir):
+    """On each rank (started as torchrun starts one: RANK, WORLD_SIZE, MASTER_ADDR, ... in its environment): build
+    the GPT as main() does and the stage's engine, measuring the peak of live tensor bytes."""
     import torch.distributed as dist
     from instruments import PeakMemory, live_tensor_bytes, storage_bytes
     from options import parse_args
     from train_gpt import PRESETS, GPTConfig, build_model
     dist.init_process_group("gloo")
-    Engine, cpu = largest.load_engine(stage), torch.device("cpu")
+    rank, Engine, cpu = dist.get_rank(), largest.load_engine(stage), torch.device("cpu")
     Engine.from_meta = from_meta  # False: the control, the whole model built first
     args = parse_args(Engine, PRESETS, GPTConfig, ["--dtype", "fp32"])
-    torch.manual_seed(args.seed + local_rank)
+    torch.manual_seed(args.seed + rank)
     held, broadcast = [], dist.broadcast
     def watched_broadcast(t, *a, **kw):  # what the rank holds as each unit goes out (the engine broadcasts a unit at a time)
         held.append(live_tensor_bytes(cpu))
@@ -47,15 +45,19 @@ def construct(local_rank, world_size, port, stage, from_meta, out_dir):
                   param_shard=storage_bytes([engine.param_shard]),
                   unit=max(b.end - b.start for b in engine.buckets) * 4, made=max(p.numel() for p in model.parameters()) * 4 * 2,
                   whole=sum(p.numel() for p in model.parameters()) * 4)
-    with open(os.path.join(out_dir, f"rank{local_rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 
 def construction(stage, from_meta, tmp_path, world_size=4):
-    from devices import free_port
-    mp.start_processes(construct, args=(world_size, free_port(), stage, from_meta, str(tmp_path)), nprocs=world_size,
-                       start_method="spawn")
+    """construct() on world_size ranks, each run as this file with its arguments (forked from tests/fork_server.py,
+    which has imported torch, as the suite's training runs are); each rank's result."""
+    # PYTHONPATH is the repository alone, as a plain run's is: the collectives are not counted here.
+    job = Runner(tmp_path).spawn(__file__, world_size, [stage, str(from_meta), str(tmp_path)],
+                                 env={"PYTHONPATH": str(ROOT)})
+    assert job.returncode == 0, f"construction of {stage} failed:\n" + "\n".join(last_lines(job.stdout + job.stderr, 30))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
@@ -133,3 +135,8 @@ def test_largest_checkpointed(tmp_path):
     assert rows[True]["largest_params"] >= 1.5 * rows[False]["largest_params"], (rows[True], rows[False])
     table = (tmp_path / "with" / "table.md").read_text()
     assert "with activation checkpointing" in table and "without checkpointing: layers" in table, table
+
+
+# A rank of construction(): python tests/test_largest.py STAGE FROM_META OUT_DIR
+if __name__ == "__main__":
+    construct(sys.argv[1], sys.argv[2] == "True", sys.argv[3])
