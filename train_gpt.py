@@ -442,7 +442,7 @@ def lr_at(step, args):
     t = (step - args.warmup) / max(1, args.steps - 1 - args.warmup)
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(t, 1.0))) * (args.lr - args.min_lr)
 
-def theory(stage, padded_numel, world_size, dtype, args, device, largest_bucket=0):
+def theory(stage, padded_numel, world_size, dtype, args, device, *, largest_bucket=0):
     """What the paper's model says this run holds and sends per rank: model states by category, their formula, the
     bytes sent per step, which states live on the host, pinned host memory (with CUDA), and the bytes on disk (offload's
     NVMe tier: largest_bucket, the elements of the largest bucket, sizes its buffers)."""
@@ -530,7 +530,7 @@ def main(Engine, stage, distributed=True, formula=None):
     model = build_model(Engine, cfg, device, dtype, args.checkpoint_activations)
     engine = Engine(model, args, device)
     largest_bucket = max((b.end - b.start for b in getattr(engine, "buckets", [])), default=0)
-    th = theory(formula or stage, engine.padded_numel, world_size, dtype, args, device, largest_bucket)
+    th = theory(formula or stage, engine.padded_numel, world_size, dtype, args, device, largest_bucket=largest_bucket)
     run = Run(stage, args, cfg, plan, engine=engine, data=data, th=th, scaler=scaler, device=device, rank=rank,
               world_size=world_size, distributed=distributed)
     run.announce()  # rank 0: Ψ, and the model states per rank the paper's formula gives for this stage

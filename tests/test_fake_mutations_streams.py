@@ -109,21 +109,22 @@ BATTERY = {
         file="offload.py", line=r"self\.grad_shard, self\.spare_grad_shard = self\.spare_grad_shard, self\.grad_shard",
         new=["self.spare_grad_shard = self.grad_shard  # (planted: no swap)"], flags=["--delayed_update"], nproc=1,
         at=[r"dst\.copy_\(src, non_blocking=True\)", r"self\.adam\.adam_step\(self\.master",
-            r"^\s*grad_shard\.zero_\(\)$"],
+            r"^\s*self\.grad_shard\.zero_\(\)$"],
         says=rf"stream order: .* on ({COPY_STREAM}|the host thread \S+): touches memory that "
              rf"({COPY_STREAM}|the host thread \S+) \w+ in \S+ {COPY}"),
-    "norm_of_the_shard_in_update": dict(
-        file="offload.py", line=r"(norm = .*)self\.adam\.sum_of_squares\(self\.grad_shard\)(.*)",
-        new=[r"\1self.adam.sum_of_squares(self.spare_grad_shard)\2"], flags=["--delayed_update"], nproc=1,
-        at=[r"self\.adam\.sum_of_squares\(self\.spare_grad_shard\)", r"self\.adam\.adam_step\(self\.master",
-            r"^\s*grad_shard\.zero_\(\)$"],
+    "zero_of_the_shard_in_update": dict(
+        file="offload.py", line=r"self\.update = self\.updater\.submit\(self\._cpu_update, self\.spare_grad_shard,.*",
+        new=[r"\g<0>", "self.spare_grad_shard.zero_()  # (planted: zeroed while the update reads it)"],
+        flags=["--delayed_update"], nproc=1,
+        at=[r"self\.spare_grad_shard\.zero_\(\)  # \(planted", r"self\.adam\.adam_step\(self\.master"],
         says=rf"stream order: \S+ on (the host|the host thread \S+): touches memory that "
              rf"(the host|the host thread \S+) \w+ in \S+ {COPY}"),
     # host reads below the dispatcher read the tensor's memory
     "tolist_of_the_shard_sent_down": dict(
-        file="offload.py", line=r"^\s*b\.acc = None$",
-        new=["self.first_grads = self.grad_shard[self._shard_range(b)][:4].tolist()  # (planted: a look)",
-             "b.acc = None"], flags=[], nproc=1,
+        file="offload.py", line=r"^\s*self\.copies\.copy\(self\.grad_shard\[self\._shard_range\(b\)\], b\.reduced\)$",
+        new=["self.copies.copy(self.grad_shard[self._shard_range(b)], b.reduced)",
+             "self.first_grads = self.grad_shard[self._shard_range(b)][:4].tolist()  # (planted: a look)"],
+        flags=[], nproc=1,
         at=r"self\.first_grads = ",
         says=rf"stream order: Tensor\.tolist on the host: touches memory that {COPY_STREAM} wrote in "
              rf"aten\.copy_ {COPY}"),
