@@ -59,6 +59,11 @@ SLIPS = {
         "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
         "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.SUM, async_op=True)\n",
         ["tests/test_stages.py::test_parity_with_reference[stage2-2]"], "stage 2's gradients summed, not averaged"),
+    "dpu_norm_of_the_spare_shard": (
+        "offload.py", "self.adam.sum_of_squares(self.grad_shard)", "self.adam.sum_of_squares(self.spare_grad_shard "
+        "if self.args.delayed_update else self.grad_shard)",
+        ["tests/test_offload.py::test_delayed_update_is_exactly_one_step_stale[1]"],
+        "--delayed_update clips by the norm of the shard the update thread reads (the step before's gradient)"),
     "offload_dropped_accumulation": (
         "offload.py", "            b.reduced = self.grad_acc[self._shard_range(b)].add_(b.reduced)",
         "            b.reduced = self.grad_acc[self._shard_range(b)].copy_(b.reduced)", ["tests/test_stages.py::test_parity_with_reference[offload-2]"],
