@@ -80,8 +80,9 @@ SLIPS = {
         "stage 2's step never all-gathers the updated shards into the parameters"),
     "offload_grad_acc_unlisted": (
         "offload.py", "            states[\"grad_acc\"] = [self.grad_acc]\n", "            pass\n",
-        ["tests/test_course.py::test_every_step_keeps_its_own_ledger[offload.py - Copy stream - ZeRO-3 Offload - DPU-2]"],
-        "offload's model_states() leaves out the device buffer that sums the micro-steps (lesson 5's step file)"),
+        ["tests/test_course.py::test_every_step_keeps_its_own_ledger[offload.py - Copy stream - ZeRO-3 Offload - DPU - "
+         "NVMe-2]"],
+        "offload's model_states() leaves out the device buffer that sums the micro-steps (lesson 6's step file)"),
     "copy_stream_is_the_compute_stream": (
         "offload.py", "        self.stream = torch.cuda.Stream(device)\n",
         "        self.stream = torch.cuda.current_stream(device)\n",
