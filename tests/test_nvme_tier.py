@@ -139,3 +139,15 @@ def test_bad_paths_get_one_line(runner, options, expected):
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert len(errors) == 1 and expected in errors[0], p.stderr[-2000:]
+
+
+def test_too_little_free_space_is_refused_at_the_start(runner, tmp_path):
+    """A disk with less free space than the state file needs (tests/disk_full reports 64 KiB): one line naming the
+    path and the bytes, before training; nothing left in the directory."""
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'disk_full'}:{ROOT}", "DISK_FREE_BYTES": str(64 * 1024)}
+    p = runner.launch(OFFLOAD, None, *MODEL, *TRAIN, *nvme(tmp_path), env=env)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(errors) == 1 and re.search(rf"nvme path {tmp_path} has 65,536 bytes .* free, and a state file there "
+                                          rf"needs [\d,]+ bytes", errors[0]), p.stderr[-2000:]
+    assert "parameters (Ψ)" not in p.stdout and os.listdir(tmp_path) == [], (p.stdout[-2000:], os.listdir(tmp_path))
