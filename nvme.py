@@ -193,18 +193,19 @@ class DiskStates:
         self.reads = {}
 
     def _bytes(self, k):
+        """Bucket k's part of its buffer, once the buffer's last write is done (a read must not overwrite states that
+        are not on disk yet)."""
+        write = self.writes[k % len(self.buffers)]
+        if write is not None:
+            write.result()
         return self.buffers[k % len(self.buffers)][:self.sizes[k]]
 
     def buffer(self, k):
         """Bucket k's buffer as (master, m, v) fp32 views, once the buffer's last write is done."""
-        write = self.writes[k % len(self.buffers)]
-        if write is not None:
-            write.result()
         return self._bytes(k)[:12 * self.numels[k]].view(torch.float32).view(3, -1).unbind()
 
     def read(self, k):
         """Start reading bucket k's states into its buffer."""
-        self.buffer(k)
         self.reads[k] = self.file.read(self.offsets[k], self._bytes(k))
 
     def states(self, k):

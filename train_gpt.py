@@ -197,16 +197,16 @@ def formula_text(stage, param_bytes=2, grad_shards=1, grad_acc=False):
     shard = sum(v for k, v in b.items() if k in SHARDED[stage])
     return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{shard}Ψ/N"] * bool(shard))
 
+ON_DISK = ("master", "adam_m", "adam_v")  # the categories offload's NVMe tier keeps in its state file
+
 def host_categories(stage, offload_params=False, nvme=False):
     """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device (the
     parameters unless offload_params; with gradient accumulation, "grad_acc": the gradient shard summed there). With
     the optimizer states on NVMe (nvme=True) the host keeps the buffers they pass through instead."""
     if stage != "offload":
         return ()
-    optimizer = ("nvme_buffers",) if nvme else ("master", "adam_m", "adam_v")
+    optimizer = ("nvme_buffers",) if nvme else ON_DISK
     return ("grads",) + optimizer + ("params",) * offload_params
-
-ON_DISK = ("master", "adam_m", "adam_v")  # the categories offload's NVMe tier keeps in its state file
 
 def nvme_theory(states, world_size, buffer_count, largest_bucket):
     """The NVMe tier (offload.py --offload_optimizer nvme), from the model states of offload in host memory: the

@@ -17,22 +17,19 @@ lesson (course/make_lessons.py), so that a step between two lessons is graded as
 The fake-device runs (tests/fake_cuda.py) also refuse what CUDA would (a copy from pageable memory, an unordered
 access between streams). tests/test_course.py grades each lesson's step before as if it were the step after: it fails
 here, naming the lesson's idea."""
-import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, last_lines
+from conftest import ROOT
 from test_fake_cuda import audit, output
 from test_offload import delayed_reference  # noqa: F401  (the fixture: the reference updated one step late)
 from test_stages import LOSS_ATOL, MODEL, NORM_RTOL, TRAIN, compare_params, first_difference
 from test_stages import reference  # noqa: F401  (the fixture: the single-process reference run)
-from test_timeline import MODEL as TIMELINE_MODEL
-from test_timeline import gathered_during_forward
+from test_timeline import gathered_during_forward, take_timeline
 from train_gpt import model_state_theory
 
 sys.path.insert(0, str(ROOT / "course"))
@@ -93,14 +90,10 @@ def check_sharded(idea, runner, stage_file, **_):
 
 
 def check_prefetch(idea, stage_file, tmp_path, **_):
-    cmd = [sys.executable, str(ROOT / "bench" / "timeline.py"), stage_file, "--nproc", "2", *TIMELINE_MODEL,
-           "--out", str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    if p.returncode != 0:
-        pytest.fail(f"[{idea}] the timeline run failed:\n" + "\n".join(last_lines(p.stdout + p.stderr, 25)),
-                    pytrace=False)
-    trace = json.loads((tmp_path / "trace.json").read_text())
+    try:
+        _, trace, _ = take_timeline(stage_file, tmp_path)
+    except AssertionError as e:
+        pytest.fail(f"[{idea}] the timeline run failed: {e}", pytrace=False)
     assert gathered_during_forward(trace) > 0, (
         f"[{idea}] no all-gather was in flight while a unit computed its forward: the next unit is gathered only "
         f"when it is about to run (bench/timeline.py's trace, N=2)")

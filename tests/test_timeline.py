@@ -22,20 +22,25 @@ import any_model  # noqa: E402
 MODEL = ["--preset", "tiny", "--n_layer", "4", "--steps", "3"]
 
 
+def take_timeline(script, out, *options):
+    """bench/timeline.py of `script` on 2 ranks (MODEL, `options`) into `out`, without a GPU: (what it printed, the
+    trace.json and run.json it wrote), or an AssertionError with its last lines."""
+    cmd = [sys.executable, str(ROOT / "bench" / "timeline.py"), str(script), "--nproc", "2", *MODEL, *options,
+           "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 0, f"{' '.join(cmd)} failed:\n" + "\n".join(last_lines(p.stdout + p.stderr, 25))
+    return (p.stdout, *(json.loads((out / f).read_text()) for f in ("trace.json", "run.json")))
+
+
 @pytest.fixture(scope="module")
 def timeline(tmp_path_factory):
-    """timeline(script, *options) -> what bench/timeline.py printed, the trace.json and run.json it wrote; once each."""
+    """timeline(script, *options) -> take_timeline's (printed, trace, run) for a script of the repository; once each."""
     done = {}
 
     def run(script, *options):
         if (script, options) not in done:
-            out = tmp_path_factory.mktemp("timeline")
-            cmd = [sys.executable, str(ROOT / "bench" / "timeline.py"), str(ROOT / script), "--nproc", "2", *MODEL,
-                   *options, "--out", str(out)]
-            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-            assert p.returncode == 0, f"{' '.join(cmd)} failed:\n" + "\n".join(last_lines(p.stdout + p.stderr, 25))
-            done[script, options] = (p.stdout, *(json.loads((out / f).read_text()) for f in ("trace.json", "run.json")))
+            done[script, options] = take_timeline(ROOT / script, tmp_path_factory.mktemp("timeline"), *options)
         return done[script, options]
     return run
 
