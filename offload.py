@@ -134,10 +134,10 @@ class OffloadEngine:
         share_rank0s(model, args)
         # [Offload] in host memory: the fp32 master, Adam's moments, the gradient shard and staging (for the copies up)
         self.copies = Copies(device)
-        self.master = self.param_shard.to("cpu", torch.float32, copy=True)
+        self.master = self._host_master()
         self.optimizer = AdamW(self.master, args)
-        self.grad_shard = self.copies.host(self.master.numel(), params[0].dtype)
-        self.staging = self.copies.host(self.master.numel(), params[0].dtype)
+        self.grad_shard = self.copies.host(self.param_shard.numel(), params[0].dtype)
+        self.staging = self.copies.host(self.param_shard.numel(), params[0].dtype)
         # --grad_accum > 1: the micro-steps' reduced shards summed in one device buffer, grad_shard's size
         self.grad_acc = torch.zeros_like(self.grad_shard, device=device) if args.grad_accum > 1 else None
         self.adam = load_cpu_adam(announce=self.rank == 0)
@@ -311,6 +311,10 @@ class OffloadEngine:
         self.grad_shard.zero_()
 
     # [Offload] AdamW on the host, in C++
+    def _host_master(self):
+        """The fp32 master: a copy of this rank's parameter shard in host memory."""
+        return self.param_shard.to("cpu", torch.float32, copy=True)
+
     def _adam_step(self, grad_shard, sh, step, lr, coef):
         """C++ AdamW on this rank's elements sh, clipping the gradient by coef and writing the new parameters into
         staging in the same pass (the host has waited for staging's last copies up)."""
@@ -331,12 +335,11 @@ class OffloadEngine:
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
-        states = {"params": [self.param_shard], "grads": [self.grad_shard],
-                  "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
         # --grad_accum > 1: the gradient shard summed on the device
-        if self.grad_acc is not None:
-            states["grad_acc"] = [self.grad_acc]
-        return states
+        summed = {"grad_acc": [self.grad_acc]} if self.grad_acc is not None else {}
+        return {"params": [self.param_shard], "grads": [self.grad_shard],
+                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq],
+                **summed}
 
     def state_pieces(self):
         """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
@@ -424,7 +427,7 @@ class OffloadEngine(OffloadEngine):
     def _start_updater(self):
         """A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
         the update runs beside forward and backward, so the C++ AdamW leaves them a core."""
-        self.spare_grad_shard = self.copies.host(self.master.numel(), self.grad_shard.dtype)
+        self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype)
         # (this option's thread and cores: imported only when asked for)
         from concurrent.futures import ThreadPoolExecutor
         from devices import set_cpu_adam_threads
@@ -473,23 +476,23 @@ class OffloadEngine(OffloadEngine):
         parser.add_argument("--nvme_path", help="the directory of the state files (with --offload_optimizer nvme)")
         parser.add_argument("--nvme_buffer_count", type=int, default=3, help="3 overlaps reads and writes with AdamW")
 
-    def __init__(self, model, args, device, units=None):
-        super().__init__(model, args, device, units)
-        self.disk = None
-        if args.offload_optimizer == "nvme":
-            from nvme import DiskStates
-            numels = [(b.end - b.start) // self.world_size for b in self.buckets]
-            self.disk = DiskStates(args.nvme_path, f"rank{self.rank}", numels, args.nvme_buffer_count)
-            self._states_to_disk()
+    def _host_master(self):
+        if self.args.offload_optimizer == "cpu":
+            return super()._host_master()
+        from nvme import DiskStates
+        numels = [(b.end - b.start) // self.world_size for b in self.buckets]
+        self.disk = DiskStates(self.args.nvme_path, f"rank{self.rank}", numels, self.args.nvme_buffer_count)
+        # the states are made a bucket at a time in its buffer and written to the file: host memory never holds them
+        # all; AdamW, given an empty master, keeps only its step count and recipe
+        self._states_to_disk(lambda sh: (self.param_shard[sh], torch.zeros(()), torch.zeros(())))
+        return torch.empty(0)
 
-    def _states_to_disk(self):
-        """The states in host memory (made above, or filled by a checkpoint) go to the file; the host keeps none."""
-        held = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
+    def _states_to_disk(self, states_of):
+        """Each bucket's (master, m, v), states_of(the bucket's shard range), to the file through its buffer."""
         for k, b in enumerate(self.buckets):
-            for state, view in zip(held, self.disk.buffer(k)):
-                view.copy_(state[self._shard_range(b)])
+            for view, state in zip(self.disk.buffer(k), states_of(self._shard_range(b))):
+                view.copy_(state)
             self.disk.write(k)
-        self._hold(None, None, None)
 
     def _hold(self, master, exp_avg, exp_avg_sq):
         """The states in host memory (None: none), where the engine above reads them."""
@@ -498,7 +501,7 @@ class OffloadEngine(OffloadEngine):
         self.optimizer.exp_avg_sq = exp_avg_sq
 
     def _adam_step(self, grad_shard, sh, step, lr, coef):
-        if self.disk is None:
+        if self.args.offload_optimizer == "cpu":
             return super()._adam_step(grad_shard, sh, step, lr, coef)
         k = [self._shard_range(b) for b in self.buckets].index(sh)
         # a checkpoint's copy of the states in host memory (state_pieces) is not needed any more
@@ -514,7 +517,7 @@ class OffloadEngine(OffloadEngine):
 
     def state_pieces(self):
         # the states, read into host memory for a checkpoint (until resume() or the next update)
-        if self.disk is not None:
+        if self.args.offload_optimizer == "nvme":
             self._finish_update()
             held = [torch.empty(self.padded_numel // self.world_size) for _ in range(3)]
             for k, b in enumerate(self.buckets):
@@ -525,20 +528,23 @@ class OffloadEngine(OffloadEngine):
 
     def resume(self, step):
         super().resume(step)
-        if self.disk is not None:
-            self._states_to_disk()
+        # the states a checkpoint filled in host memory go to the file, and the host keeps none
+        if self.args.offload_optimizer == "nvme":
+            held = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
+            self._states_to_disk(lambda sh: [state[sh] for state in held])
+            self._hold(None, None, None)
 
     def model_states(self):
         states = super().model_states()
         # in host memory: the buffers; on disk: the states (instruments measure the file)
-        if self.disk is not None:
+        if self.args.offload_optimizer == "nvme":
             states = {name: held for name, held in states.items() if name not in ("master", "adam_m", "adam_v")}
             states["nvme_buffers"] = self.disk.buffers
         return states
 
     def close(self):
         """The end of a run (after state_pieces(), which lands an update in flight): the state file is removed."""
-        if self.disk is not None:
+        if self.args.offload_optimizer == "nvme":
             self.disk.close()
 # [/NVMe]
 

@@ -167,13 +167,17 @@ SLIPS = {
         ["tests/test_nvme_tier.py::test_bit_identical_to_the_states_in_memory[fp32-N1]"],
         "the NVMe tier never writes the updated states back"),
     "nvme_resume_not_on_disk": (
-        "offload.py", "        super().resume(step)\n        if self.disk is not None:\n            self._states_to_disk()\n",
-        "        super().resume(step)\n",
+        "offload.py", "            self._states_to_disk(lambda sh: [state[sh] for state in held])\n", "",
         ["tests/test_nvme_tier.py::test_checkpoints_move_between_the_tiers"],
         "a checkpoint loaded into the NVMe tier never reaches its file"),
+    "nvme_states_made_in_memory": (
+        "offload.py", "        self._states_to_disk(lambda sh: (self.param_shard[sh], torch.zeros(()), torch.zeros(())))\n",
+        "        whole = [super()._host_master(), torch.zeros(self.param_shard.numel()), torch.zeros(self.param_shard.numel())]\n"
+        "        self._states_to_disk(lambda sh: [state[sh] for state in whole])\n",
+        ["tests/test_largest.py::test_zero3_construction_never_holds_the_whole_model[offload_nvme]"],
+        "the NVMe tier makes its states in host memory (12Ψ/N at once) before writing them out"),
     "nvme_files_left": (
-        "offload.py", "        if self.disk is not None:\n            self.disk.close()\n",
-        "        if self.disk is not None:\n            pass\n",
+        "offload.py", "            self.disk.close()\n", "            pass\n",
         ["tests/test_nvme_tier.py::test_bit_identical_to_the_states_in_memory[fp32-N1]"],
         "the state files stay on disk after the run"),
     "nvme_unaligned_buffer": (
