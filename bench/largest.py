@@ -6,6 +6,7 @@ bench/largest.py: the ZeRO papers' headline, measured: the largest GPT each stag
     python bench/largest.py --budget_mb 8192 --n_embd 1024 --block_size 1024     # on GPUs
     python bench/largest.py --quick --checkpoint_activations --beside runs/largest/largest.json   # blocks checkpointed
     python bench/largest.py --from_json runs/largest/largest.json                # redraw the table and picture only
+    python bench/largest.py --limit host --world_sizes 1 --checkpoint_activations   # offload beside its NVMe tier
 
 "Fits" is measured, never computed. For a stage and N, N ranks build a GPT of a fixed width (--n_embd) and a given
 depth exactly as the stage's main() builds it (train_gpt.build_model: stage 3 and offload from the meta device, a
@@ -45,6 +46,13 @@ by two or three.
 as train_gpt's option of the same name does; its results go to runs/largest_checkpointed/ unless --out_dir says.
 --beside FILE.json (a largest.json of the other setting) adds its largest depth and Ψ to each row, and the ratio.
 
+--limit host makes --budget_mb the host's memory, for offload's rows (default: offload, and offload_nvme: offload.py
+--offload_optimizer nvme, its state file under --nvme_path or a temporary directory): ZeRO-Infinity's headline, the
+largest model when host memory, not the GPU's, is the limit. Measured on a CPU: the peak of live tensor bytes less
+the device-resident states (the parameter shard), so that the transients (activations, the working set, a gathered
+unit) are charged to the host too, more than a GPU's host would hold; plus the NVMe tier's buffers, mapped memory
+the allocator never sees. With checkpointed activations the transients stay small beside the states.
+
 Output: a table, largest.png (the papers' max-model-size figure in miniature) and largest.json in --out_dir; --out
 FILE.json writes the rows as well: one per stage and N, with "stage", "world_size", "largest_params",
 "predicted_params".
@@ -57,8 +65,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SCRIPTS = {"stage0": "stage0_ddp.py", "stage1": "stage1.py", "stage2": "stage2.py", "stage3": "stage3.py",
-           "offload": "offload.py", "offload_params": "offload.py"}
-FLAGS = {"offload_params": ["--offload_params"]}  # a row's options beyond its file's defaults
+           "offload": "offload.py", "offload_params": "offload.py", "offload_nvme": "offload.py"}
+NVME_BUFFERS = 3  # offload_nvme's --nvme_buffer_count (offload.py's default)
+# a row's options beyond its file's defaults (offload_nvme's --nvme_path: a temporary directory, or --nvme_path's)
+FLAGS = {"offload_params": ["--offload_params"],
+         "offload_nvme": ["--offload_optimizer", "nvme", "--nvme_buffer_count", str(NVME_BUFFERS)]}
 MiB = 2**20
 MAX_LAYERS = 4096
 
@@ -82,30 +93,36 @@ def n_params(cfg):
 
 
 def engine_stage(row):
-    """(the stage whose memory model a row follows, whether its parameter shard is in host memory)."""
-    return ("offload", True) if row == "offload_params" else (row, False)
+    """(the stage whose memory model a row follows, whether its parameter shard is in host memory, whether its
+    optimizer states are on NVMe)."""
+    return {"offload_params": ("offload", True, False), "offload_nvme": ("offload", False, True)}.get(row, (row, False, False))
 
 
 def device_states(stage, psi, world_size, param_bytes):
-    """The formula's model-state bytes a rank keeps on the device (offload's host categories are not charged)."""
+    """The formula's model-state bytes a rank keeps on the device (offload's host categories are not charged, nor
+    what the NVMe tier keeps on disk)."""
     from train_gpt import host_categories, model_state_theory
-    stage, offload_params = engine_stage(stage)
+    stage, offload_params, _ = engine_stage(stage)
     padded = psi if stage == "stage0" else -(-psi // world_size) * world_size
     states = model_state_theory(stage, padded, world_size, param_bytes)
     return sum(v for k, v in states.items() if k not in host_categories(stage, offload_params))
 
 
-def host_states(stage, psi, world_size, param_bytes, cuda):
-    """The bytes a rank keeps in host memory by the formula: offload's fp32 master and moments (pageable), its
-    gradient shard, staging buffer and (--offload_params) parameter shard, pinned with CUDA and then rounded up to a
-    power of two by PyTorch's pinned-memory cache (train_gpt.pinned_theory)."""
+def host_states(stage, psi, world_size, param_bytes, cuda, largest_bucket):
+    """The bytes a rank keeps in host memory by the formula: offload's fp32 master and moments (pageable; with the
+    NVMe tier, NVME_BUFFERS buffers of the largest bucket's states instead), its gradient shard, staging buffer and
+    (--offload_params) parameter shard, pinned with CUDA and then rounded up to a power of two by PyTorch's
+    pinned-memory cache (train_gpt.pinned_theory)."""
+    from nvme import round_up
     from train_gpt import pinned_theory
-    stage, offload_params = engine_stage(stage)
+    stage, offload_params, nvme = engine_stage(stage)
     if stage != "offload":
         return 0
     padded = -(-psi // world_size) * world_size
     pinned = (pinned_theory(stage, padded, world_size, param_bytes, offload_params) if cuda
               else (2 + offload_params) * param_bytes * padded // world_size)
+    if nvme:
+        return NVME_BUFFERS * round_up(12 * -(-largest_bucket // world_size)) + pinned
     return 12 * padded // world_size + pinned
 
 
@@ -146,6 +163,8 @@ class Prober:
         self.dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
         self.data = CharData(load_text(None), opts.block_size)
         self.budget, self.said = opts.budget_mb * MiB, {}
+        # offload_nvme's state files: under --nvme_path, or a directory of this rank's own
+        self.nvme_path = opts.nvme_path or tempfile.mkdtemp(prefix=f"largest_nvme_rank{rank}_")
         # host memory: what the node has available at the start, shared by its ranks (less a margin for the process
         # itself); a probe whose formula needs more is refused before it runs, since the kernel's out-of-memory
         # killer, not an exception, is what running out of host memory meets
@@ -193,6 +212,35 @@ class Prober:
             self.psi = [n_params(self.config(d)) for d in (1, 2)]
         return self.psi[0] + (depth - 1) * (self.psi[1] - self.psi[0]) if depth else 0
 
+    def largest_bucket(self, depth):
+        """The elements of offload's largest bucket at `depth` layers: a block's, or the root's (the rest)."""
+        self.params(1)
+        block = self.psi[1] - self.psi[0]
+        return max(block, self.psi[0] - block)
+
+    def host_bytes(self, stage, depth):
+        """The formula's host-resident model states of a rank at `depth` layers (offload's rows; else 0)."""
+        param_bytes = 4 if self.dtype_name == "fp32" else 2
+        return host_states(stage, self.params(depth), self.world_size, param_bytes, self.device.type == "cuda",
+                           self.largest_bucket(depth))
+
+    def states_bytes(self, stage, depth):
+        """The formula's model states in the budgeted memory at `depth` layers (the device's, or with --limit host
+        the host's)."""
+        if self.opts.limit == "host":
+            return self.host_bytes(stage, depth)
+        return device_states(stage, self.params(depth), self.world_size, 4 if self.dtype_name == "fp32" else 2)
+
+    def predicts_fit(self, stage, depth):
+        """Whether the estimator says `depth` fits: the formula's model states in the budgeted memory, plus the
+        activations measured (with --limit host, charged to the host as the measurement charges them), within the
+        budget; with CUDA and offload, also the host states within the host memory available."""
+        if self.opts.limit == "host":
+            return self.host_bytes(stage, depth) + self.activations(depth) <= self.budget
+        on_device = self.states_bytes(stage, depth) + self.activations(depth)
+        host_fits = self.device.type != "cuda" or self.host_budget is None or self.host_bytes(stage, depth) <= self.host_budget
+        return on_device <= self.budget and host_fits
+
     def activations(self, depth):
         """Bytes autograd keeps for backward in one forward on this rank's micro-batch (parameters aside), at `depth`
         layers: linear in depth (every block saves alike), so measured once, at depths 1 and 2, on a plain GPT. With
@@ -232,11 +280,12 @@ class Prober:
         from instruments import PeakMemory
         from options import parse_args
         from train_gpt import GPTConfig, PRESETS, build_model
+        flags = FLAGS.get(stage, []) + ["--nvme_path", self.nvme_path] * engine_stage(stage)[2]
         args = parse_args(Engine, PRESETS, GPTConfig, ["--dtype", self.dtype_name, "--steps", "2", "--warmup", "1",
                                                        "--batch_size", str(self.opts.micro_batch * self.world_size),
-                                                       *FLAGS.get(stage, [])])
+                                                       *flags])
         param_bytes, cuda = 4 if self.dtype_name == "fp32" else 2, self.device.type == "cuda"
-        limit = refused(cuda, self.world_size, host_states(stage, self.params(depth), self.world_size, param_bytes, cuda),
+        limit = refused(cuda, self.world_size, self.host_bytes(stage, depth),
                         self.host_budget, device_states(stage, self.params(depth), self.world_size, param_bytes)
                         + self.activations(depth), self.device_free)
         if limit:  # every rank computes the same verdict from the same (agreed) numbers: no collective needed
@@ -250,7 +299,7 @@ class Prober:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         model = None
-        out_of_memory, host = False, 0
+        out_of_memory, held = False, dict(host=0, device=0, mapped=0)
         with PeakMemory(self.device) as meter:
             try:
                 torch.manual_seed(args.seed + self.rank)
@@ -262,7 +311,7 @@ class Prober:
             out_of_memory = self.agree([out_of_memory], dist.ReduceOp.MAX)[0] > 0
             if not out_of_memory:
                 try:
-                    host = self.train(Engine, stage, model, args)
+                    held = self.train(Engine, stage, model, args)
                 except torch.OutOfMemoryError:
                     if self.world_size > 1:  # the other ranks may wait in a collective this rank never joins
                         raise SystemExit(f"largest: rank {self.rank} ran out of device memory in {stage}'s engine or "
@@ -274,7 +323,13 @@ class Prober:
         if self.device.type == "cuda":  # give back the pinned-memory cache too, which keeps freed blocks for reuse
             torch.cuda.empty_cache()
             getattr(torch._C, "_host_emptyCache", lambda: None)()
-        charged = meter.peak - meter.base - host
+        if self.opts.limit == "host":
+            # the host's peak: the rank's peak less its device-resident states (the activations and the working set,
+            # transient, stay charged: more than a GPU's host would hold), plus the NVMe tier's buffers, mapped memory
+            # the allocator never sees
+            charged = meter.peak - meter.base - held["device"] + held["mapped"]
+        else:
+            charged = meter.peak - meter.base - (held["host"] - held["mapped"])
         seconds = time.perf_counter() - t0
         # every rank must take the same decisions (the verdict, the time limit, the next depth to probe), or their
         # collectives would not match: the bytes, the verdict and the seconds are the worst rank's
@@ -283,31 +338,38 @@ class Prober:
         out_of_memory = worst[1] > 0
         seconds = worst[2]
         fits = not out_of_memory and charged <= self.budget
-        return fits, charged, None if fits else "device memory", seconds
+        return fits, charged, None if fits else f"{self.opts.limit} memory", seconds
 
     def train(self, Engine, stage, model, args):
-        """The stage's engine around `model`, trained 2 steps; on a CPU, the bytes of offload's host-resident states
-        it then holds (host memory, not the device's), else 0."""
+        """The stage's engine around `model`, trained 2 steps; on a CPU, the bytes of the model states it then holds
+        in host memory (offload's: host), on the device (device), and of those in host memory, the NVMe tier's
+        mapped buffers (mapped); else 0s."""
         from instruments import storage_bytes
         from train_gpt import host_categories, train_step
         with contextlib.redirect_stdout(io.StringIO()) if self.said.get(stage) else contextlib.nullcontext():
             engine = Engine(model, args, self.device)  # (what an engine prints, such as offload's cpu_adam line: once)
         self.said[stage] = True
-        host = 0
+        held = dict(host=0, device=0, mapped=0)
         try:
             for step in range(2):
                 train_step(engine, self.data, args, step, self.device)
             if self.device.type == "cpu":
-                base_stage, offload_params = engine_stage(stage)
+                base_stage, offload_params, nvme = engine_stage(stage)
                 states = engine.model_states()
-                host = storage_bytes([t for k in host_categories(base_stage, offload_params) for t in states[k]]
-                                     + [getattr(engine, "staging", None)] * (base_stage == "offload"))
+                on_host = host_categories(base_stage, offload_params, nvme)
+                held["host"] = storage_bytes([t for k in on_host for t in states[k]]
+                                             + [getattr(engine, "staging", None)] * (base_stage == "offload"))
+                held["device"] = storage_bytes([t for k in states if k not in on_host for t in states[k]])
+                held["mapped"] = storage_bytes(states.get("nvme_buffers", []))
         finally:
+            # the NVMe tier's state file goes (offload's engines close; the others have nothing to)
+            if hasattr(engine, "close"):
+                engine.close()
             # the engine's gradient hooks on its parameters hold the engine, a cycle torch's collector never frees (it
             # passes through the parameters' C++ side): the engine, with every buffer and state it holds, would stay
             # on the device through every later probe, which would run out of memory early. It lets go of all here.
             vars(engine).clear()
-        return host
+        return held
 
     def search(self, stage):
         """The largest depth that fits, and the estimator's: a row of the table."""
@@ -330,9 +392,7 @@ class Prober:
 
         # the estimator: the formula's model states on the device + the activations measured, for each depth
         predicted = 0
-        while predicted < MAX_LAYERS and device_states(stage, self.params(predicted + 1), self.world_size, param_bytes) \
-                + self.activations(predicted + 1) <= self.budget and (not cuda or self.host_budget is None or host_states(
-                    stage, self.params(predicted + 1), self.world_size, param_bytes, cuda) <= self.host_budget):
+        while predicted < MAX_LAYERS and self.predicts_fit(stage, predicted + 1):
             predicted += 1
         # the measurement: from the prediction, out in doubling steps to a depth on each side, then bisect
         lo, hi = 0, None  # the largest depth known to fit; the smallest known not to
@@ -352,11 +412,10 @@ class Prober:
         # what stopped it: the first depth beyond the largest that did not fit, or the time a probe took
         limit = seen[hi][2] if hi in seen else "time" if "time" in limits else f"{MAX_LAYERS} layers"
         return dict(stage=stage, world_size=self.world_size, largest_params=self.params(lo) if lo else 0, limit=limit,
-                    host_gib=round(host_states(stage, self.params(lo), self.world_size, param_bytes, cuda) / 2**30, 2),
+                    host_gib=round(self.host_bytes(stage, lo) / 2**30, 2),
                     predicted_params=self.params(predicted) if predicted else 0, largest_layers=lo,
                     predicted_layers=predicted, peak_mib=peak and round(peak / MiB, 2),
-                    states_mib=round(device_states(stage, self.params(lo), self.world_size, param_bytes) / MiB, 2)
-                    if lo else None, probes=len(seen))
+                    states_mib=round(self.states_bytes(stage, lo) / MiB, 2) if lo else None, probes=len(seen))
 
 
 def worker(local_rank, world_size, port, opts, out):
@@ -375,6 +434,8 @@ def worker(local_rank, world_size, port, opts, out):
         rows[-1].update(dtype=prober.dtype_name, device=device.type)
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
+    if not opts.nvme_path:
+        shutil.rmtree(prober.nvme_path, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -397,6 +458,16 @@ def run_world(world_size, opts):
 # ----------------------------------------------------------------------------------------------------------------
 # Report
 
+def result_name(checkpoint_activations, limit):
+    """A result's name in runs/ and bench/results: largest, largest_checkpointed, largest_host, ..."""
+    return "largest" + "_host" * (limit == "host") + "_checkpointed" * checkpoint_activations
+
+
+def limit_of(result):
+    """The memory a result's budget is: "device", or "host" (results from before --limit: device)."""
+    return result["options"].get("limit", "device")
+
+
 def setting(result):
     """How the GPTs of a result were trained: with activation checkpointing or not (results from before it: not)."""
     return "with" if result["options"].get("checkpoint_activations") else "without"
@@ -406,13 +477,15 @@ def render_table(result, beside=None):
     """The result's table; with `beside` (a result of the other setting, same budget and GPT), each row also gives the
     largest depth and Ψ there, and this row's Ψ over that one."""
     rows, o = result["rows"], result["options"]
-    base = {r["world_size"]: r["largest_params"] for r in rows if r["stage"] == "stage0"}
+    first = rows[0]["stage"]  # the rows' base: stage 0 (offload with --limit host)
+    base = {r["world_size"]: r["largest_params"] for r in rows if r["stage"] == first}
     other = {(r["stage"], r["world_size"]): r for r in (beside or {}).get("rows", [])}
     extra = f" | {setting(beside)} checkpointing: layers | Ψ | × {setting(beside)}" if beside else ""
-    lines = [f"largest GPT that trains within {o['budget_mb']} MiB per rank ({result['dtype']}, {o['n_embd']} wide, "
+    lines = [f"largest GPT that trains within {o['budget_mb']} MiB of {limit_of(result)} memory per rank "
+             f"({result['dtype']}, {o['n_embd']} wide, "
              f"{o['micro_batch']} x {o['block_size']} tokens per rank, {setting(result)} activation checkpointing; "
              f"{result['machine']})", "",
-             "| stage | N | largest: layers | Ψ | peak MiB | model states (formula) MiB | × stage 0 at N "
+             f"| stage | N | largest: layers | Ψ | peak MiB | model states (formula) MiB | × {first} at N "
              f"| predicted: layers | Ψ | limit{extra} |", "|" + "---|" * (10 + 3 * bool(beside))]
     for r in rows:
         ratio = f"{r['largest_params'] / base[r['world_size']]:.2f}" if base.get(r["world_size"]) else "—"
@@ -439,6 +512,11 @@ def headline(rows):
     if get.get(("offload", 1)) and get.get(("stage0", 1)):
         out.append(f"offload at N=1 trains {get['offload', 1] / get['stage0', 1]:.2f}x the parameters of stage 0 at N=1 "
                    f"(the model states on the device alone: {whole}Ψ against {param}Ψ, {whole / param:.0f}x)")
+    if get.get(("offload_nvme", 1)) and get.get(("offload", 1)):
+        ram, disk = 12 + 2 * param, 2 * param  # host bytes a parameter: gradient shard and staging, with(out) the states
+        out.append(f"offload with the optimizer states on NVMe at N=1 trains {get['offload_nvme', 1] / get['offload', 1]:.2f}x "
+                   f"the parameters of offload at N=1 (the host's model states alone: {ram}Ψ against {disk}Ψ and "
+                   f"{NVME_BUFFERS} buffers, {ram / disk:.1f}x)")
     if get.get(("offload_params", 1)) and get.get(("stage0", 1)):
         out.append(f"offload --offload_params at N=1 trains {get['offload_params', 1] / get['stage0', 1]:.2f}x the "
                    f"parameters of stage 0 at N=1 (no model state on the device, only the working set)")
@@ -458,8 +536,8 @@ def draw(result, path):
     rows, o = result["rows"], result["options"]
     stages = [s for s in SCRIPTS if any(r["stage"] == s for r in rows)]
     ns = sorted({r["world_size"] for r in rows})
-    colors = dict(zip(SCRIPTS, ["#8C8C8C", "#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]))
-    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    colors = dict(zip(SCRIPTS, ["#8C8C8C", "#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]))
+    fig, ax = plt.subplots(figsize=(8.5, 5.4))
     width = 0.8 / len(stages)
     for si, stage in enumerate(stages):
         for gi, n in enumerate(ns):
@@ -476,8 +554,8 @@ def draw(result, path):
     ax.set_ylabel("largest model that trains, parameters (M)")
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
-    ax.set_title(f"Largest GPT within {o['budget_mb']} MiB per rank, measured ({result['dtype']}, {o['n_embd']} wide, "
-                 f"{o['micro_batch']} x {o['block_size']} tokens per rank"
+    ax.set_title(f"Largest GPT within {o['budget_mb']} MiB of {limit_of(result)} memory per rank, measured\n"
+                 f"({result['dtype']}, {o['n_embd']} wide, {o['micro_batch']} x {o['block_size']} tokens per rank"
                  f"{', activations checkpointed' * (setting(result) == 'with')})\n{result['machine']}", fontsize=10)
     handles = [Patch(color=colors[s], label=s.replace("stage", "stage ")) for s in stages]
     handles.append(Line2D([], [], color="black", marker="_", linestyle="", markersize=14, mew=2,
@@ -513,7 +591,7 @@ def render(result, out_dir, out=None, results=None, beside=None):
     drew = draw(result, out_dir / "largest.png")
     if results:  # bench/results/largest.md, headed by the machine, torch, dtype and command; largest.png beside it
         from results import publish  # (bench/, this script's folder)
-        name = "largest" + "_checkpointed" * (setting(result) == "with")  # each setting its own block in bench/README
+        name = result_name(setting(result) == "with", limit_of(result))  # each its own block in bench/README
         path = publish(name, table + "\n\n" + "\n".join(headline(result["rows"]) + ratio), result["dtype"], results)
         if drew:
             shutil.copyfile(out_dir / "largest.png", path.with_suffix(".png"))
@@ -541,6 +619,9 @@ def main(argv=None):
                    "takes longer than this (the row's limit is then time)")
     p.add_argument("--checkpoint_activations", action="store_true", help="every GPT with each block checkpointed "
                    "(train_gpt's --checkpoint_activations)")
+    p.add_argument("--limit", choices=["device", "host"], default="device", help="the memory --budget_mb is: the "
+                   "device's, or (offload's rows, on a CPU) the host's")
+    p.add_argument("--nvme_path", default=None, help="offload_nvme's state files (default: a temporary directory)")
     p.add_argument("--out_dir", default=None, help="default: runs/largest (runs/largest_checkpointed with "
                    "--checkpoint_activations)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the rows here")
@@ -553,9 +634,13 @@ def main(argv=None):
     beside = json.loads(Path(o.beside).read_text()) if o.beside else None
     if o.from_json:
         result = json.loads(Path(o.from_json).read_text())
-        return render(result, o.out_dir or ROOT / "runs" / ("largest" + "_checkpointed" * (setting(result) == "with")),
+        return render(result, o.out_dir or ROOT / "runs" / result_name(setting(result) == "with", limit_of(result)),
                       o.out, o.results, beside)
-    o.out_dir = o.out_dir or str(ROOT / "runs" / ("largest" + "_checkpointed" * o.checkpoint_activations))
+    if o.limit == "host":
+        o.stages = o.stages if "--stages" in (argv or sys.argv) else ["offload", "offload_nvme"]
+        if any(engine_stage(s)[0] != "offload" for s in o.stages):
+            p.error("--limit host budgets offload's host memory: give --stages from offload, offload_params, offload_nvme")
+    o.out_dir = o.out_dir or str(ROOT / "runs" / result_name(o.checkpoint_activations, o.limit))
     o.budget_mb = o.budget_mb or (24 if o.quick else 64)
     o.n_embd = o.n_embd or (128 if o.quick else 256)
     if o.budget_mb <= 0 or min(o.world_sizes) < 1 or o.n_embd % o.n_head:
@@ -563,19 +648,21 @@ def main(argv=None):
     import torch
     if o.device == "auto":
         o.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if o.device == "cuda" and o.limit == "host":
+        p.error("--limit host is measured on a CPU (the host's peak of live tensors): run it with --device cpu")
     if o.device == "cuda" and max(o.world_sizes) > torch.cuda.device_count():
         p.error(f"N = {max(o.world_sizes)} needs as many GPUs; this machine has {torch.cuda.device_count()}: lower --world_sizes")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from bench_adam import cpu_model  # (bench/ is on the path: this script's own folder)
     machine = torch.cuda.get_device_name() if o.device == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
-    print(f"largest: {o.budget_mb} MiB per rank; stages {' '.join(o.stages)} at N = {' '.join(map(str, o.world_sizes))}"
+    print(f"largest: {o.budget_mb} MiB of {o.limit} memory per rank; stages {' '.join(o.stages)} at N = {' '.join(map(str, o.world_sizes))}"
           f"{'; activation checkpointing' * o.checkpoint_activations}; {machine}", flush=True)
     t0, rows = time.perf_counter(), []
     for n in sorted(set(o.world_sizes)):
         rows += run_world(n, o)
     rows.sort(key=lambda r: (list(SCRIPTS).index(r["stage"]), r["world_size"]))
     result = dict(rows=rows, options={k: getattr(o, k) for k in ("budget_mb", "n_embd", "n_head", "block_size", "micro_batch",
-                                                                 "checkpoint_activations")},
+                                                                 "checkpoint_activations", "limit")},
                   dtype=rows[0]["dtype"], machine=machine, seconds=round(time.perf_counter() - t0, 1))
     print(f"largest: {result['seconds']} s")
     render(result, o.out_dir, o.out, o.results, beside)

@@ -51,6 +51,8 @@ COVERED = {
     "python bench/largest.py --quick": "tests/test_largest.py::test_largest_quick",
     "python bench/largest.py --checkpoint_activations --beside runs/largest/largest.json --results":
         "tests/test_largest.py::test_largest_checkpointed",
+    "python bench/largest.py --limit host --world_sizes 1 2 --n_embd 128 --checkpoint_activations --dtype bf16 --results":
+        "tests/test_largest.py::test_largest_host",
     "python bench/peers.py --steps 10 --rounds 2 --results": "test_peers",
     "python bench/bench_adam.py --sizes 22 24 26 --repeats 7 --results": "test_bench_adam",
     "python bench/bench_norm.py --sizes 24 26 --repeats 7 --results": "test_bench_norm",
