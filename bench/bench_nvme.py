@@ -15,10 +15,11 @@ Then the tier itself, during training (offload.py on one rank, run as bench/time
 that every read and write of the state file is a span from its submission to its completion): the same GPT three
 ways, its optimizer states in RAM, on disk with --nvme_buffer_count 1 (each bucket's states read, updated, written,
 one after the other) and with 3 (the next bucket read and the last written while AdamW updates this one), the three
-taking turns --repeats times. From the runs' step times (the median after two warm-up steps) and their last step's
-trace (the best of the repeats):
+taking turns --repeats times, with a pass of the disk's own bandwidth in the tier's block size after each round (the
+baseline measured beside the runs, on a disk whose speed may move). From the runs' step times (the median after two
+warm-up steps) and their last step's trace (the best of the repeats):
     tier bandwidth   the bytes the step read (wrote) / the time some read (write) was in flight, against the disk's
-                     own sequential bandwidth above (StateFile's default threads); goal: >= 80% of it
+                     own sequential bandwidth in the same blocks (the best pass and thread count); goal: >= 80% of it
     AdamW            the C++ AdamW's time in the step, with the states in RAM (nothing beside it)
     I/O time         the bytes the step reads and writes, at the disk's own bandwidth: the least time the tier can take
     overlap ratio    (step on disk with 3 buffers - step in RAM) / max(AdamW, I/O time): what the tier adds to a step,
@@ -127,16 +128,26 @@ def one_run(directory, train_args, tier, out_dir):
                                 both_s=busy(row("nvme reads") + row("nvme writes")))
 
 
-def train(directory, train_args, repeats):
+def largest_transfer(trace):
+    """The bytes of the tier's largest read or write in a trace (a bucket's states), as the tier aligns them."""
+    return max(round_up(math.ceil(e["args"]["MiB"] * 2**20)) for e in trace["traceEvents"]
+               if e.get("cat", "").startswith("nvme"))
+
+
+def train(directory, train_args, repeats, file_bytes, thread_counts):
     """{tier: the best of `repeats` runs' figures} (step time and AdamW: the least; tier bandwidth: the most), the
-    runs taking turns, so that a slow spell of the shared machine falls on every tier; and the last 3-buffer run's
-    summary and trace."""
+    runs taking turns, so that a slow spell of the shared machine falls on every tier; the last 3-buffer run's
+    summary and trace; and after each round of runs a pass of the disk's own (measure()) in blocks of the tier's
+    largest transfer, so that the baseline is measured beside the runs it is compared with."""
     runs = {tier: [] for tier in TIERS}
+    disk = []
     with tempfile.TemporaryDirectory(prefix="runs-", dir=directory) as out:
         for r in range(repeats):
             for tier in TIERS:
                 summary, trace, figures = one_run(directory, train_args, tier, Path(out) / f"{r}-{len(runs[tier])}")
                 runs[tier].append(figures)
+            block = largest_transfer(trace)
+            disk.append(measure(directory, -(-file_bytes // block) * block, block, thread_counts, 1))
     best = {}
     for tier, figures in runs.items():
         best[tier] = {k: min(f[k] for f in figures) for k in ("step", "adam")}
@@ -144,13 +155,17 @@ def train(directory, train_args, repeats):
             best[tier][op] = max((f[f"{op}_bytes"] / f[f"{op}_s"] for f in figures if f[f"{op}_s"]), default=0.0)
             best[tier][f"{op}_bytes"] = figures[-1][f"{op}_bytes"]
         best[tier]["both_s"] = min(f["both_s"] for f in figures) or math.inf
-    return best, summary, trace
+    return best, summary, trace, disk
 
 
-def tier_table(disk, block, best, summary, train_args, repeats, kind, source, mode):
-    """The tier's table: what was measured beside the goals, each goal met or missed and by how much. disk: measure()'s
-    rows in blocks of `block` bytes, the tier's largest transfer; the disk's bandwidth is the best thread count's."""
-    write_disk, read_disk = (max(r[k] for r in disk.values()) for k in (0, 1))  # MB/s
+def tier_table(passes, block, best, summary, train_args, repeats, kind, source, mode):
+    """The tier's table: what was measured beside the goals, each goal met or missed and by how much. passes:
+    measure()'s rows in blocks of `block` bytes, the tier's largest transfer, one taken after each round of runs; the
+    disk's bandwidth is the best pass's of the best thread count, its spread the passes' least and most."""
+    each = [[max(r[k] for r in disk.values()) for disk in passes] for k in (0, 1)]  # MB/s, [write, read] per pass
+    write_disk, read_disk = max(each[0]), max(each[1])
+    spread = lambda k: f"{min(each[k]):,.0f}–{max(each[k]):,.0f} MB/s" if len(passes) > 1 else "one pass"
+    threads = sorted(passes[0])
     ram, one, three = best["states in RAM"], best["NVMe, 1 buffer"], best["NVMe, 3 buffers"]
     adam = ram["adam"]
     io = three["read_bytes"] / (read_disk * 1e6) + three["write_bytes"] / (write_disk * 1e6)
@@ -169,8 +184,9 @@ def tier_table(disk, block, best, summary, train_args, repeats, kind, source, mo
            "the rest from its last step's trace (bench/timeline.py's rows). MB/s = 10^6 bytes per second.", "",
            "| measured | value | goal | |", "|---|---:|---|---|",
            f"| disk's own sequential read, {block / 2**20:.1f} MiB blocks (the tier's largest transfer), the best of "
-           f"{' and '.join(map(str, disk))} threads | {read_disk:,.0f} MB/s | | |",
-           f"| disk's own sequential write, in the same blocks | {write_disk:,.0f} MB/s | | |"]
+           f"{' and '.join(map(str, threads))} threads, the best of {len(passes)} pass{'es' * (len(passes) > 1)} "
+           f"between the rounds of runs ({spread(1)}) | {read_disk:,.0f} MB/s | | |",
+           f"| disk's own sequential write, in the same blocks and passes ({spread(0)}) | {write_disk:,.0f} MB/s | | |"]
     for name, t in (("3 buffers", three), ("1 buffer", one)):
         # reads and writes share the disk: both together, against the disk's time for the same bytes
         both = (t["read_bytes"] + t["write_bytes"]) / t["both_s"] / 1e6
@@ -224,11 +240,7 @@ def main(argv=None):
     kind, source = filesystem(directory)
     try:
         rows = measure(directory, file_bytes, block, sorted({1, a.threads}), a.repeats)
-        best, summary, trace = train(directory, train_args, a.repeats)
-        # the disk again, in blocks of the tier's largest transfer (a bucket's states): the same block size
-        largest = max(round_up(math.ceil(e["args"]["MiB"] * 2**20)) for e in trace["traceEvents"]
-                      if e.get("cat", "").startswith("nvme"))
-        same = measure(directory, -(-file_bytes // largest) * largest, largest, sorted({1, a.threads}), a.repeats)
+        best, summary, trace, passes = train(directory, train_args, a.repeats, file_bytes, sorted({1, a.threads}))
     finally:
         if a.nvme_path is None:
             shutil.rmtree(directory, ignore_errors=True)
@@ -242,7 +254,8 @@ def main(argv=None):
     out += [f"| {threads} | {write:,.0f} | {read:,.0f} |" for threads, (write, read, _) in rows.items()]
     print(header("raw bytes", argv and [sys.argv[0], *argv]) + "\n")
     print("\n".join(out), flush=True)
-    tier = tier_table(same, largest, best, summary, train_args, a.repeats, kind, source, rows[a.threads][2])
+    tier = tier_table(passes, largest_transfer(trace), best, summary, train_args, a.repeats, kind, source,
+                      rows[a.threads][2])
     print("\n" + header(summary["dtype"], argv and [sys.argv[0], *argv]) + "\n")
     print("\n".join(tier), flush=True)
     if a.results:

@@ -176,6 +176,11 @@ SLIPS = {
         "        self._states_to_disk(lambda sh: [state[sh] for state in whole])\n",
         ["tests/test_largest.py::test_zero3_construction_never_holds_the_whole_model[offload_nvme]"],
         "the NVMe tier makes its states in host memory (12Ψ/N at once) before writing them out"),
+    "largest_host_without_buffers": (
+        "bench/largest.py", '            charged = meter.peak - meter.base - held["device"] + held["mapped"]\n',
+        '            charged = meter.peak - meter.base - held["device"]\n',
+        ["tests/test_largest.py::test_largest_host"],
+        "bench/largest.py --limit host leaves the NVMe tier's mapped buffers out of the host's peak"),
     "nvme_files_left": (
         "offload.py", "            self.disk.close()\n", "            pass\n",
         ["tests/test_nvme_tier.py::test_bit_identical_to_the_states_in_memory[fp32-N1]"],
