@@ -81,12 +81,36 @@ def not_averaging(rank, world_size, device):
                     f"gave {wrong[0]:g}, not {average:g}, and training would take wrong gradients; {UPGRADE}")
     return None
 
+WORD = "zero/stopped"  # the process group's store's key for the line of a rank that stopped alone
+
+def leave_word(message):
+    """A rank that stops alone mid-run (a disk that failed it, say) leaves its one line in the process group's store,
+    where the ranks left waiting for it in a collective read it (explain_timeout): each then names the cause."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        store = dist.distributed_c10d._get_default_store()
+        # the first line left stays: a failed write may be followed by others already in flight
+        if store.add(WORD + "/count", 1) == 1:
+            store.set(WORD, f"rank {dist.get_rank()} stopped: {message}")
+
+def word_left():
+    """The line a rank that stopped alone left (leave_word), or None: none was left, or the store went with it (the
+    store lives in rank 0's process unless torchrun's agent holds it)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.get(WORD).decode() if store.check([WORD]) else None
+    except Exception:
+        return None
+
 def explain_timeout(previous, rank, seconds, kind, error, traceback):
     """sys.excepthook once the ranks are up: a collective that timed out ends this rank with one line that names the
     likely cause (a rank that ran out of batches while the others went on), and so does a collective whose peer left
-    (the rank that timed out first exits, and gloo tells the others "Connection closed by peer"); any other error as
-    before."""
+    (the rank that timed out first exits, and gloo tells the others "Connection closed by peer"); where the rank that
+    left said why (leave_word), the line is its line; any other error as before."""
     message = str(error).lower()
+    word = word_left() if issubclass(kind, RuntimeError) else None
+    if word is not None and ("timed out" in message or "timeout" in message or "by peer" in message):
+        print(f"error: rank {rank}: {word.replace('error: ', '', 1)}", file=sys.stderr, flush=True)
+        os._exit(1)
     if issubclass(kind, RuntimeError) and ("timed out" in message or "timeout" in message):
         print(f"error: rank {rank}: a collective waited more than --collective_timeout {seconds:g} s for another rank: "
               f"most likely the ranks had different numbers of batches (uneven data); give every rank the same number "

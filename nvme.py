@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from devices import leave_word
+
 ALIGN = 4096
 
 
@@ -157,8 +159,10 @@ class StateFile:
     def _fail(self, op, offset, nbytes, number, reason):
         if number == errno.ENOSPC:
             reason = "disk full"
-        raise NVMeError(f"error: {op} of {nbytes:,} bytes at offset {offset:,} of {self.path} failed: {reason}",
-                       number) from None
+        message = f"error: {op} of {nbytes:,} bytes at offset {offset:,} of {self.path} failed: {reason}"
+        # the other ranks, which may wait for this one in a collective, say this line too when it has gone
+        leave_word(message)
+        raise NVMeError(message, number) from None
 
     def close(self, remove=True):
         """Wait for every read and write in flight, stop the threads, close the file and (remove=True) delete it."""

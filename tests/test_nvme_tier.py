@@ -3,7 +3,8 @@ memory: the same C++ AdamW on the same numbers in the same order, so every loss,
 bit-identical, at N = 1 and 2, in fp32, bf16 and fp16, with --offload_params, --delayed_update, --grad_accum 2 and
 every buffer count's overlap. The memory table measures the tier (the state file's size on disk, the host buffers
 instead of the states); the files are gone at the end; checkpoints move between the tiers; a run killed mid-step, or
-one whose disk fills up mid-run, resumes from its last checkpoint bit for bit; bad paths get one line."""
+one whose disk fills up mid-run, resumes from its last checkpoint bit for bit; a disk that fails one rank stops every
+rank with that rank's line; bad paths get one line."""
 import os
 import re
 
@@ -39,6 +40,7 @@ CASES = {
     "bf16-N2-offload_params-two_buffers": (2, ["--dtype", "bf16", "--offload_params", "--nvme_buffer_count", "2"]),
     "fp16-N2-delayed_update": (2, ["--dtype", "fp16", "--delayed_update"]),
     "bf16-N1-offload_params-delayed_update": (1, ["--dtype", "bf16", "--offload_params", "--delayed_update"]),
+    "fp16-N1-offload_params": (1, ["--dtype", "fp16", "--offload_params"]),
 }
 
 
@@ -125,6 +127,25 @@ def test_a_full_disk_mid_run_stops_with_one_line(runner, tmp_path):
     resumed = runner.run(OFFLOAD, None, *MODEL, *TRAIN, *nvme(states), "--resume", str(ckpt),
                          "--ckpt_dir", str(tmp_path / "continued"))
     assert_same_run(straight, resumed, "offload on NVMe, its disk full in step 4, then resumed from step 2")
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_with_its_line(runner, tmp_path):
+    """At N = 2 rank 1's disk fills up in step 4: rank 1 stops with its line, and rank 0, left waiting for it in a
+    collective, stops with the same line naming rank 1, the operation and the file (not a guess at the cause)."""
+    states = tmp_path / "states"
+    states.mkdir()
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'disk_full'}:{ROOT}", "DISK_FULL_AFTER": str(BUCKETS * 4),
+           "DISK_FULL_RANK": "1"}
+    p = runner.launch(OFFLOAD, 2, *MODEL, *TRAIN, *nvme(states), env=env)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    # (the one traceback is torchrun's agent's, reporting the ranks that failed)
+    tracebacks = p.stderr.split("Traceback")[1:]
+    assert p.returncode != 0 and all("ChildFailedError" in t for t in tracebacks) and len(tracebacks) <= 1, \
+        p.stderr[-3000:]
+    failed = rf"write of [\d,]+ bytes at offset [\d,]+ of {states}/rank1\S+ failed: disk full"
+    assert len(errors) == 2 and re.match(rf"error: {failed}$", errors[0] if "rank 0" not in errors[0] else errors[1]), \
+        p.stderr[-3000:]
+    assert any(re.match(rf"error: rank 0: rank 1 stopped: {failed}$", line) for line in errors), p.stderr[-3000:]
 
 
 @pytest.mark.parametrize("options, expected", [

@@ -1,10 +1,12 @@
 """A disk that fills up, for the NVMe tier's tests. Python imports this file at start-up when its directory is on
 PYTHONPATH; with DISK_FULL_AFTER=K, the (K+1)-th os.pwritev of the process (nvme.StateFile's writes) fails as a full
-disk does: OSError ENOSPC, nothing written. With DISK_FREE_BYTES=B, os.statvfs reports B bytes available."""
+disk does: OSError ENOSPC, nothing written (with DISK_FULL_RANK=r, only in rank r's process). With DISK_FREE_BYTES=B,
+os.statvfs reports B bytes available."""
 import errno
 import os
 
-if os.environ.get("DISK_FULL_AFTER"):
+rank = os.environ.get("DISK_FULL_RANK")
+if os.environ.get("DISK_FULL_AFTER") and rank in (None, os.environ.get("RANK")):
     calls, pwritev = [0], os.pwritev
 
     def filling_pwritev(fd, buffers, offset, *args):
