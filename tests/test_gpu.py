@@ -1,5 +1,5 @@
 """The GPU suite: `python -m pytest tests --gpu` on a machine with CUDA GPUs. Every stage and offload.py (plain,
---offload_params, --delayed_update) trains on CUDA with NCCL at N = 1 and at the number of GPUs present (up to 4),
+--offload_params, --delayed_update, --offload_optimizer nvme) trains on CUDA with NCCL at N = 1 and at the number of GPUs present (up to 4),
 and is checked against the CUDA single-process reference, against its ledgers (device and host apart), and, from a
 profiler timeline, for the overlap each stage exists for. Without --gpu the same runs go through the fake CUDA device
 (tests/fake_cuda.py: CPU storage, CUDA's rules, device and pinned memory counted as torch's allocators count it) at
@@ -25,7 +25,8 @@ GPU_TRAIN = [*TRAIN, "--batch_size", "24"]  # TRAIN's, with a global batch that 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NPROCS = sorted({1, min(GPUS, 4)} - {0}) if GPUS else [2]  # (no GPU: 2 fake ranks; the battery runs 1)
 RUNS = {Path(f).stem: (f, []) for f in STAGES} | {"offload_params": ("offload.py", ["--offload_params"]),
-                                                  "delayed_update": ("offload.py", ["--delayed_update"])}
+                                                  "delayed_update": ("offload.py", ["--delayed_update"]),
+                                                  "nvme": ("offload.py", ["--offload_optimizer", "nvme"])}
 # TF32 stays off: torch.backends.cuda.matmul.allow_tf32 is False by default (PyTorch >= 1.12, "TensorFloat-32 (TF32)
 # on Ampere (and later) devices" in the CUDA semantics notes), and NVIDIA_TF32_OVERRIDE=0 keeps cuBLAS and cuDNN from
 # choosing it whatever a library sets. So every matmul here is true fp32, as on the CPU.
@@ -54,6 +55,9 @@ def gpu_runner(tmp_path_factory, request):
 
 def cuda_run(gpu_runner, name, nproc, *extra):
     script, flags = RUNS[name]
+    if "nvme" in flags:  # the state files' directory, one for the session
+        (gpu_runner.tmp / "nvme").mkdir(exist_ok=True)
+        flags = [*flags, "--nvme_path", str(gpu_runner.tmp / "nvme")]
     buckets = BUCKETS if "--bucket_mb" in gpu_runner.options(str(ROOT / script)) else []
     return gpu_runner.run(str(ROOT / script), nproc, *MODEL, *GPU_TRAIN, *buckets, *flags, *CUDA, *extra, env=ENV)
 
@@ -94,7 +98,7 @@ def test_gpu_ledgers_device_and_host(gpu_runner, name, nproc):
     cache's own count would also hold the blocks each batch is pinned in, and cached blocks)."""
     s = cuda_run(gpu_runner, name, nproc).summary
     where, stage = f"{name} on {nproc} GPU(s)", s["stage"]
-    host = host_categories(stage, s["args"].get("offload_params", False))
+    host = host_categories(stage, s["args"].get("offload_params", False), s["args"].get("offload_optimizer") == "nvme")
     for category, v in s["model_state_bytes"].items():
         # (--delayed_update's second gradient shard is in the formula already: train_gpt.theory's grad_shards)
         assert v["measured"] == v["theory"], f"{where}: {category} measured {v['measured']:,}, formula {v['theory']:,}"
