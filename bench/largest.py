@@ -163,8 +163,10 @@ class Prober:
         self.dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
         self.data = CharData(load_text(None), opts.block_size)
         self.budget, self.said = opts.budget_mb * MiB, {}
-        # offload_nvme's state files: under --nvme_path, or a directory of this rank's own
-        self.nvme_path = opts.nvme_path or tempfile.mkdtemp(prefix=f"largest_nvme_rank{rank}_")
+        # offload_nvme's state files: under --nvme_path, or a temporary directory of this rank's own, made by its
+        # first probe (nvme_dir)
+        self.nvme_path = opts.nvme_path
+        self.temporary = None
         # host memory: what the node has available at the start, shared by its ranks (less a margin for the process
         # itself); a probe whose formula needs more is refused before it runs, since the kernel's out-of-memory
         # killer, not an exception, is what running out of host memory meets
@@ -185,6 +187,12 @@ class Prober:
         keys = sorted(self.act)  # [False], or [False, True] with --checkpoint_activations
         most = self.agree([b for k in keys for b in self.act[k]], dist.ReduceOp.MAX)
         self.act = {k: [int(most[2 * i]), int(most[2 * i + 1])] for i, k in enumerate(keys)}
+
+    def nvme_dir(self):
+        """Where offload_nvme's state files go: --nvme_path, or this rank's temporary directory (made once)."""
+        if self.nvme_path is None and self.temporary is None:
+            self.temporary = tempfile.mkdtemp(prefix=f"largest_nvme_rank{self.rank}_")
+        return self.nvme_path or self.temporary
 
     def agree(self, values, op):
         """`values` reduced over the ranks with `op` (dist.ReduceOp.MIN or MAX): the same numbers on every rank. Every
@@ -280,7 +288,7 @@ class Prober:
         from instruments import PeakMemory
         from options import parse_args
         from train_gpt import GPTConfig, PRESETS, build_model
-        flags = FLAGS.get(stage, []) + ["--nvme_path", self.nvme_path] * engine_stage(stage)[2]
+        flags = FLAGS.get(stage, []) + ["--nvme_path", self.nvme_dir()] * engine_stage(stage)[2]
         args = parse_args(Engine, PRESETS, GPTConfig, ["--dtype", self.dtype_name, "--steps", "2", "--warmup", "1",
                                                        "--batch_size", str(self.opts.micro_batch * self.world_size),
                                                        *flags])
@@ -434,8 +442,8 @@ def worker(local_rank, world_size, port, opts, out):
         rows[-1].update(dtype=prober.dtype_name, device=device.type)
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
-    if not opts.nvme_path:
-        shutil.rmtree(prober.nvme_path, ignore_errors=True)
+    if prober.temporary:
+        shutil.rmtree(prober.temporary)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -66,9 +66,13 @@ def test_largest_charges_offload_params_host_states():
     psi, n = 3 * 2**20, 1
     assert largest.device_states("offload_params", psi, n, 2) == 0
     assert largest.device_states("offload", psi, n, 2) == 2 * psi
-    pinned = largest.host_states("offload_params", psi, n, 2, cuda=True) - 12 * psi
+    bucket = 2**20  # the largest bucket's elements (only the NVMe tier's buffers depend on it)
+    pinned = largest.host_states("offload_params", psi, n, 2, cuda=True, largest_bucket=bucket) - 12 * psi
     assert pinned == 3 * 2**23  # gradient shard, staging and parameter shard: 6 MiB each, rounded up to 8 MiB
-    assert largest.host_states("offload_params", psi, n, 2, cuda=False) == 12 * psi + 3 * 2 * psi
+    assert largest.host_states("offload_params", psi, n, 2, cuda=False, largest_bucket=bucket) == 12 * psi + 3 * 2 * psi
+    # the NVMe tier: its three buffers of the largest bucket's states instead of the 12Ψ/N
+    nvme = largest.host_states("offload_nvme", psi, n, 2, cuda=False, largest_bucket=bucket)
+    assert nvme == largest.NVME_BUFFERS * 12 * bucket + 2 * 2 * psi
 
 
 def summary(stage, device, peak, offload_params=False):

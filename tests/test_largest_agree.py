@@ -46,7 +46,8 @@ def search_rank(local_rank, world_size, port, out_dir, trouble):
             raise torch.OutOfMemoryError("out of memory on rank 1 alone (the test's)")
         train_gpt.train_step = fail
     opts = argparse.Namespace(budget_mb=24, n_embd=128, n_head=4, block_size=64, micro_batch=1, dtype="fp32",
-                              host_budget_mb=None, probe_seconds=60, checkpoint_activations=False)
+                              host_budget_mb=None, probe_seconds=60, checkpoint_activations=False, limit="device",
+                              nvme_path=None)
     row = largest.Prober(opts, rank, world_size, device).search("stage0")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(row, f)
