@@ -472,7 +472,7 @@ def result_name(checkpoint_activations, limit):
 
 
 def limit_of(result):
-    """The memory a result's budget is: "device", or "host" (results from before --limit: device)."""
+    """The memory a result's budget is: "device", or "host" (a result without the option: device)."""
     return result["options"].get("limit", "device")
 
 
@@ -508,8 +508,9 @@ def render_table(result, beside=None):
     return "\n".join(lines)
 
 
-def headline(rows):
-    """The ratios the papers lead with, measured, beside what the model states alone would give (in the run's dtype)."""
+def headline(rows, limit="device"):
+    """The ratios the papers lead with, measured, beside what the model states alone would give (in the run's dtype);
+    the NVMe tier's against offload's where the budget is host memory (`limit`), the one the tier saves."""
     get = {(r["stage"], r["world_size"]): r["largest_params"] for r in rows}
     param = 4 if rows[0].get("dtype", "bf16") == "fp32" else 2  # offload keeps only the parameters on the device
     whole = 2 * param + 12  # stage 0's model states per parameter: parameters, gradients, fp32 master and Adam
@@ -520,7 +521,7 @@ def headline(rows):
     if get.get(("offload", 1)) and get.get(("stage0", 1)):
         out.append(f"offload at N=1 trains {get['offload', 1] / get['stage0', 1]:.2f}x the parameters of stage 0 at N=1 "
                    f"(the model states on the device alone: {whole}Ψ against {param}Ψ, {whole / param:.0f}x)")
-    if get.get(("offload_nvme", 1)) and get.get(("offload", 1)):
+    if limit == "host" and get.get(("offload_nvme", 1)) and get.get(("offload", 1)):
         ram, disk = 12 + 2 * param, 2 * param  # host bytes a parameter: gradient shard and staging, with(out) the states
         out.append(f"offload with the optimizer states on NVMe at N=1 trains {get['offload_nvme', 1] / get['offload', 1]:.2f}x "
                    f"the parameters of offload at N=1 (the host's model states alone: {ram}Ψ against {disk}Ψ and "
@@ -578,7 +579,7 @@ def draw(result, path):
 def render(result, out_dir, out=None, results=None, beside=None):
     table = render_table(result, beside)
     print("\n" + table + "\n")
-    for line in headline(result["rows"]):
+    for line in headline(result["rows"], limit_of(result)):
         print(line)
     ratio = []  # with `beside`: stage 3 at N=4 in this setting against the other
     if beside:
@@ -600,7 +601,7 @@ def render(result, out_dir, out=None, results=None, beside=None):
     if results:  # bench/results/largest.md, headed by the machine, torch, dtype and command; largest.png beside it
         from results import publish  # (bench/, this script's folder)
         name = result_name(setting(result) == "with", limit_of(result))  # each its own block in bench/README
-        path = publish(name, table + "\n\n" + "\n".join(headline(result["rows"]) + ratio), result["dtype"], results)
+        path = publish(name, table + "\n\n" + "\n".join(headline(result["rows"], limit_of(result)) + ratio), result["dtype"], results)
         if drew:
             shutil.copyfile(out_dir / "largest.png", path.with_suffix(".png"))
     print(f"\nwrote {out_dir / 'largest.json'}, {out_dir / 'table.md'}" + (f" and {out_dir / 'largest.png'}" if drew else
