@@ -107,8 +107,9 @@ def explain_timeout(previous, rank, seconds, kind, error, traceback):
     (the rank that timed out first exits, and gloo tells the others "Connection closed by peer"); where the rank that
     left said why (leave_word), the line is its line; any other error as before."""
     message = str(error).lower()
-    word = word_left() if issubclass(kind, RuntimeError) else None
-    if word is not None and ("timed out" in message or "timeout" in message or "by peer" in message):
+    lost = issubclass(kind, RuntimeError) and any(s in message for s in ("timed out", "timeout", "by peer"))
+    word = word_left() if lost else None
+    if word is not None:
         print(f"error: rank {rank}: {word.replace('error: ', '', 1)}", file=sys.stderr, flush=True)
         os._exit(1)
     if issubclass(kind, RuntimeError) and ("timed out" in message or "timeout" in message):

@@ -208,14 +208,18 @@ def host_categories(stage, offload_params=False, nvme=False):
     optimizer = ("nvme_buffers",) if nvme else ON_DISK
     return ("grads",) + optimizer + ("params",) * offload_params
 
+def nvme_buffer_bytes(buffer_count, largest_bucket, world_size):
+    """The NVMe tier's host buffers: buffer_count of them, each one bucket's states (12 bytes an element of the largest
+    bucket's shard; largest_bucket is padded to a multiple of N), rounded up to nvme.ALIGN."""
+    from nvme import round_up
+    return buffer_count * round_up(12 * largest_bucket // world_size)
+
 def nvme_theory(states, world_size, buffer_count, largest_bucket):
     """The NVMe tier (offload.py --offload_optimizer nvme), from the model states of offload in host memory: the
-    fp32 master and Adam's moments (12Ψ/N) go to the disk, and the host holds buffer_count buffers instead, each one
-    bucket's states (12 bytes an element of the largest bucket's shard, rounded up to nvme.ALIGN). Returns the states
-    left in memory and the bytes on disk."""
-    from nvme import round_up
+    fp32 master and Adam's moments (12Ψ/N) go to the disk, and the host holds buffer_count buffers instead
+    (nvme_buffer_bytes). Returns the states left in memory and the bytes on disk."""
     kept = {k: v for k, v in states.items() if k not in ON_DISK}
-    kept["nvme_buffers"] = buffer_count * round_up(12 * largest_bucket // world_size)
+    kept["nvme_buffers"] = nvme_buffer_bytes(buffer_count, largest_bucket, world_size)
     return kept, sum(states[k] for k in ON_DISK)
 
 def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):

@@ -113,8 +113,7 @@ def host_states(stage, psi, world_size, param_bytes, cuda, largest_bucket):
     NVMe tier, NVME_BUFFERS buffers of the largest bucket's states instead), its gradient shard, staging buffer and
     (--offload_params) parameter shard, pinned with CUDA and then rounded up to a power of two by PyTorch's
     pinned-memory cache (train_gpt.pinned_theory)."""
-    from nvme import round_up
-    from train_gpt import pinned_theory
+    from train_gpt import nvme_buffer_bytes, pinned_theory
     stage, offload_params, nvme = engine_stage(stage)
     if stage != "offload":
         return 0
@@ -122,7 +121,7 @@ def host_states(stage, psi, world_size, param_bytes, cuda, largest_bucket):
     pinned = (pinned_theory(stage, padded, world_size, param_bytes, offload_params) if cuda
               else (2 + offload_params) * param_bytes * padded // world_size)
     if nvme:
-        return NVME_BUFFERS * round_up(12 * -(-largest_bucket // world_size)) + pinned
+        return nvme_buffer_bytes(NVME_BUFFERS, -(-largest_bucket // world_size) * world_size, world_size) + pinned
     return 12 * padded // world_size + pinned
 
 
