@@ -84,7 +84,7 @@ class Bucket:
         self.grad = None  # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
 
-class OffloadEngine:
+class ZeROOffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
     # main() builds the model on the meta device (shapes, no storage), and __init__ makes it bucket by bucket.
     from_meta = True
@@ -337,9 +337,8 @@ class OffloadEngine:
     def model_states(self):
         # --grad_accum > 1: the gradient shard summed on the device
         summed = {"grad_acc": [self.grad_acc]} if self.grad_acc is not None else {}
-        return {"params": [self.param_shard], "grads": [self.grad_shard],
-                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq],
-                **summed}
+        return {"params": [self.param_shard], "grads": [self.grad_shard], **summed,
+                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def state_pieces(self):
         """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
@@ -365,9 +364,8 @@ class OffloadEngine:
         self._params_from_master()
 
 # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
-# ZeRO-3 Offload (ZeRO-Infinity's name): the engine above, extended under its own name; without the option, each
-# method below is the one above.
-class OffloadEngine(OffloadEngine):
+# ZeRO-3 Offload (ZeRO-Infinity's name) extends the engine above; without the option, each method is the one above.
+class ZeRO3OffloadEngine(ZeROOffloadEngine):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -400,10 +398,10 @@ class OffloadEngine(OffloadEngine):
 # [/ZeRO-3 Offload]
 
 # [DPU] --delayed_update: step t's CPU update runs in a thread during step t+1
-# The delayed parameter update (the ZeRO-Offload paper's DPU), the engine above extended: with --delayed_update, step
-# t's AdamW runs in a thread during step t+1's forward and backward, and its parameters go up at the end of step t+1:
-# from the second step on, each forward runs on parameters one update old.
-class OffloadEngine(OffloadEngine):
+# The delayed parameter update (the ZeRO-Offload paper's DPU) extends the engine above: with --delayed_update, step
+# t's AdamW runs in a thread during step t+1's forward and backward, and its parameters go up at the end of step t+1.
+# From the second step on, each forward runs on parameters one update old.
+class DelayedUpdateEngine(ZeRO3OffloadEngine):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -463,12 +461,12 @@ class OffloadEngine(OffloadEngine):
 # [/DPU]
 
 # [NVMe] --offload_optimizer nvme: the optimizer states in a file, streamed through a few host buffers
-# ZeRO-Infinity's NVMe tier (arXiv 2104.07857), the engine above extended: this rank's fp32 master and Adam's moments
+# ZeRO-Infinity's NVMe tier (arXiv 2104.07857) extends the engine above: this rank's fp32 master and Adam's moments
 # (12Ψ/N bytes) live in a file under --nvme_path, and host memory keeps only --nvme_buffer_count buffers of one
 # bucket's states each. The update walks the buckets: while the C++ AdamW updates bucket k in its buffer, bucket k+1's
 # states are read into the next and bucket k-1's are written back from the one before (nvme.DiskStates: the file, its
 # layout and its buffers; O_DIRECT on a thread pool).
-class OffloadEngine(OffloadEngine):
+class NVMeEngine(DelayedUpdateEngine):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -547,6 +545,9 @@ class OffloadEngine(OffloadEngine):
         if self.args.offload_optimizer == "nvme":
             self.disk.close()
 # [/NVMe]
+
+# main runs the newest lesson's engine: the last class above, which extends every lesson's class before it
+OffloadEngine = [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, ZeROOffloadEngine)][-1]
 
 if __name__ == "__main__":
     main(OffloadEngine, stage="offload")

@@ -75,13 +75,13 @@ MAX_LAYERS = 4096
 
 
 def load_engine(stage):
-    """The Engine class of a stage file: the one class in it whose name ends in Engine."""
+    """The Engine class a stage file runs: the last name in it ending in Engine (offload.py's OffloadEngine)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(stage, ROOT / SCRIPTS[stage])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return next(v for k, v in vars(module).items()
-                if k.endswith("Engine") and isinstance(v, type) and v.__module__ == module.__name__)
+    return [v for k, v in vars(module).items()
+               if k.endswith("Engine") and isinstance(v, type) and v.__module__ == module.__name__][-1]
 
 
 def n_params(cfg):
