@@ -82,6 +82,23 @@ def test_common_mistakes_are_named(tmp_path):
     assert "memory of the full gradient" in out, out[-3000:]
 
 
+def test_a_copy_without_record_stream_is_named(tmp_path):
+    """Lesson 7's answer less its record_stream passes the suite's runs on the CPU, and at --grad_accum 2 on the fake
+    device (the copy's source, grad_acc, lives on); the grade fails it, naming the missing record_stream."""
+    source = step("offload.py - ZeRO-3 Offload - DPU - NVMe")
+    assert source.count("t.record_stream(self.stream)") == 1, "offload.py's record_stream changed: update this test"
+    path = tmp_path / "answer" / "offload.py"
+    path.parent.mkdir()
+    path.write_text(source.replace("t.record_stream(self.stream)", "pass"))
+    test = f"{ROOT / 'tests' / 'test_ideas.py'}::test_the_idea_is_there[offload-Copy_stream]"
+    cmd = [sys.executable, "-m", "pytest", test, "--stage", str(path), "--lesson", "7_copy_stream", "-q",
+           "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "pytest")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "1 failed" in out, f"the answer without record_stream was not failed:\n{out[-3000:]}"
+    assert "[Copy stream]" in out and "memory freed" in out and "no record_stream" in out, out[-3000:]
+
+
 def test_lessons_are_current_and_apply_in_turn(tmp_path):
     """course/lessons/ holds each lesson as course/make_lessons.py writes it, and `patch` takes stage0_ddp.py through
     every step to offload.py, one lesson at a time: each diff is one idea, and the ideas add up to the ladder."""
