@@ -1,6 +1,7 @@
 """The course kit: an exercise made from each stage fails the suite and says what is missing; a stage broken in a
 way students often break it fails with the message that names the mistake; the lessons (a diff per idea) are current,
 apply one after another, and the steps between them train as the stages do. (The stages passing is test_stages.)"""
+import os
 import subprocess
 import sys
 
@@ -97,6 +98,25 @@ def test_a_copy_without_record_stream_is_named(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "1 failed" in out, f"the answer without record_stream was not failed:\n{out[-3000:]}"
     assert "[Copy stream]" in out and "memory freed" in out and "no record_stream" in out, out[-3000:]
+
+
+def test_steps_and_exercises_run_by_hand(tmp_path):
+    """As course/README.md shows them, from the repository root with no PYTHONPATH: a step that make_lessons.py --files
+    wrote trains under torchrun and prints its table; an exercise that make_exercise.py wrote stops at its TODO."""
+    import make_exercise
+    import make_lessons
+    make_lessons.main(["--out", str(tmp_path / "lessons"), "--files", str(tmp_path / "steps")])
+    make_exercise.main([str(ROOT / "stage2.py"), "-o", str(tmp_path / "exercises" / "stage2.py")])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    quiet = ["--preset", "tiny", "--steps", "2", "--no_progress", "--sample_chars", "0", "--eval_batches", "1"]
+    step_run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(tmp_path / "steps" / "offload_without_NVMe.py"), *quiet]
+    p = subprocess.run(step_run, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0 and "memory per rank" in p.stdout, f"the step did not run:\n{(p.stdout + p.stderr)[-3000:]}"
+    exercise = [sys.executable, str(tmp_path / "exercises" / "stage2.py"), *quiet]
+    p = subprocess.run(exercise, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode != 0 and "NotImplementedError: TODO [ZeRO-2]" in p.stderr, (
+        f"the exercise did not stop at its TODO:\n{(p.stdout + p.stderr)[-3000:]}")
 
 
 def test_lessons_are_current_and_apply_in_turn(tmp_path):
