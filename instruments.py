@@ -651,11 +651,14 @@ def memory_table(s, th):
                      for k, v in sorted(sent.items(), key=lambda kv: -kv[1]))
     total = f"sent per step {sum(sent.values()) / 2**20:.2f} MiB (formula {sum(th['comm'].values()) / 2**20:.2f})"
     lines += textwrap.wrap(f"{total}: {each or 'nothing'}", 120)
+    # the rest: what no attribute of the engine holds (scalars, buffers in flight, leaks)
     named = ", ".join(f"{'engine.' * (k not in ('the micro-batch', 'the rest'))}{k} {amount(v)}"
+                      + " (held by no attribute of the engine)" * (k == "the rest")
                       for k, v in s["other_named"].items() if v or k == "the micro-batch")
-    note = (f"other = live - states, on rank 0: {named}. live: every tensor on the device that the garbage collector "
-            f"finds (not the engine's list) after the last backward, less the data set ({amount(s['data_bytes'])}); "
-            f"the peak adds the step's activations and working set")
+    note = (f"other = live - states, on rank 0: {named}. "
+            f"live: every tensor on the device that the garbage collector finds (not the engine's list) after step 1's "
+            f"backward (step 1, the second step: step 0 makes Adam's moments), less the data set "
+            f"({amount(s['data_bytes'])}); the peak adds the step's activations and working set")
     lines += textwrap.wrap(note, 120)
     if th["disk"]:
         lines.append(f"on disk: the state file {s['disk_bytes']['measured'] / 2**20:.2f} MiB (formula 12Ψ/N = "
