@@ -45,6 +45,13 @@ def test_exercises_import_and_fail_with_their_todo(tmp_path):
         assert f"test_model_state_bytes_match_formula[{stem}-1]" in out, f"{stem} was not graded:\n{out[-3000:]}"
         assert f"NotImplementedError: TODO [{tag}]" in out, f"the {stem} failure does not name its TODO:\n{out[-3000:]}"
     assert "passed" not in out.splitlines()[-1], f"an exercise passed a check:\n{out[-3000:]}"
+    # the grade's first lines name each file's first TODO not done, before the checks' failures
+    head = out.splitlines()[:len(exercises) + 2]
+    for exercise in exercises:
+        first = next(line for line in exercise.read_text().splitlines() if "raise NotImplementedError" in line)
+        todo = first[first.index("TODO ["):first.index(":", first.index("TODO ["))]
+        named = [ln for ln in head if ln.startswith(f"{exercise}:") and "the first TODO not done" in ln and todo in ln]
+        assert named, f"the grade's first lines do not name {exercise.name}'s first TODO:\n" + "\n".join(head)
 
 
 def test_each_marker_blanks_on_its_own():
