@@ -30,6 +30,24 @@ def round_up(nbytes):
     return -(-nbytes // ALIGN) * ALIGN
 
 
+ON_DISK = ("master", "adam_m", "adam_v")  # the model states the tier keeps in its state file (train_gpt's names)
+
+
+def nvme_buffer_bytes(buffer_count, largest_bucket, world_size):
+    """The tier's host buffers: buffer_count of them, each one bucket's states (12 bytes an element of the largest
+    bucket's shard; largest_bucket is padded to a multiple of N), rounded up to ALIGN."""
+    return buffer_count * round_up(12 * largest_bucket // world_size)
+
+
+def nvme_theory(states, world_size, buffer_count, largest_bucket):
+    """The tier's formula (offload.py --offload_optimizer nvme), from the model states of offload in host memory: the
+    fp32 master and Adam's moments (12Ψ/N) go to the disk, and the host holds buffer_count buffers instead
+    (nvme_buffer_bytes). Returns the states left in memory and the bytes on disk."""
+    kept = {k: v for k, v in states.items() if k not in ON_DISK}
+    kept["nvme_buffers"] = nvme_buffer_bytes(buffer_count, largest_bucket, world_size)
+    return kept, sum(states[k] for k in ON_DISK)
+
+
 def aligned(nbytes, pin=False):
     """A uint8 CPU tensor of nbytes rounded up to ALIGN whose data_ptr is a multiple of ALIGN: a buffer O_DIRECT can
     read into and write from. pin=True: page-locked, for copies to and from a GPU (only with CUDA)."""

@@ -2,9 +2,9 @@
 offload.py: ZeRO-Offload, stage 3 plus one idea: the optimizer and its states live in CPU memory.
 
 Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
-    device    bf16 parameters 2Ψ/N (none with --offload_params) + the working set of stage 3 (ZeRO-Offload paper)
-              + with --grad_accum > 1, the gradient shard summed over the micro-steps 2Ψ/N (--offload_params too)
-    host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ the parameters 2Ψ/N: --offload_params)
+    device    bf16 parameters 2Ψ/N (0 with --offload_params) + stage 3's working set (ZeRO-Offload paper)
+              + 2Ψ/N with --grad_accum > 1: the gradient shard summed over the micro-steps
+    host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ 2Ψ/N with --offload_params: the parameters)
     sent      what stage 3 sends; and over each rank's device-host link, 2Ψ/N down and 2Ψ/N up
 
 The idea: each bucket's reduced gradient shard goes down to host memory (Copies), the step's C++ AdamW (cpu_adam.cpp,
@@ -47,7 +47,8 @@ class Copies:
             self.stream.synchronize()
 
     def joined(self):
-        """What the compute stream runs next runs after every copy queued so far: on one stream, it does already."""
+        """Make what the compute stream runs next wait for every copy queued so far. On one stream it waits already;
+        lesson 7's copy stream overrides this."""
 
 # [Copy stream] with CUDA, the copies run on a stream of their own, beside compute instead of between it
 class CopyStream(Copies):
@@ -185,7 +186,7 @@ class ZeROOffloadEngine:
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
         # b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         backward = backward or b.waiting > 0
-        # b's backward is over: a gradient reached an output of b's that does not depend on b's parameters
+        # b's backward is over when a gradient reaches an output of b's that does not depend on b's parameters
         if backward and not b.waiting:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
@@ -230,11 +231,11 @@ class ZeROOffloadEngine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        # Every micro-step reduces its complete buckets: only the shard accumulates.
+        # Every micro-step reduces its complete buckets, so only the shard accumulates.
         if b.waiting == 0:
             # the bucket's backward is done: free its full parameters
             self._free(b)
-            # reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
+            # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
@@ -296,8 +297,8 @@ class ZeROOffloadEngine:
 
     def _update(self, lr, coef):
         """AdamW bucket by bucket: a bucket's new parameters go up while the next bucket is updated."""
-        for b in self.buckets:
-            self._adam_step(self.grad_shard, self._shard_range(b), self.optimizer.t, lr, coef)
+        for k, b in enumerate(self.buckets):
+            self._adam_step(self.grad_shard, k, self._shard_range(b), self.optimizer.t, lr, coef)
             self._send(self._shard_range(b))
         # The next forward's gathers run after the copies up; the host goes on (staging waits for the next landed()).
         self.copies.joined()
@@ -312,12 +313,13 @@ class ZeROOffloadEngine:
 
     # [Offload] AdamW on the host, in C++
     def _host_master(self):
-        """The fp32 master: a copy of this rank's parameter shard in host memory."""
+        """The fp32 master: a copy of this rank's parameter shard in host memory (lesson 10 puts it on disk)."""
         return self.param_shard.to("cpu", torch.float32, copy=True)
 
-    def _adam_step(self, grad_shard, sh, step, lr, coef):
-        """C++ AdamW on this rank's elements sh, clipping the gradient by coef and writing the new parameters into
-        staging in the same pass (the host has waited for staging's last copies up)."""
+    def _adam_step(self, grad_shard, k, sh, step, lr, coef):
+        """C++ AdamW on this rank's elements sh of bucket k, clipping the gradient by coef and writing the new
+        parameters into staging in the same pass (the host has waited for staging's last copies up). Lesson 9 passes
+        its second gradient shard; lesson 10 reads bucket k's states from disk."""
         self.adam.adam_step(self.master[sh], grad_shard[sh], self.optimizer.exp_avg[sh], self.optimizer.exp_avg_sq[sh],
                             self.staging[sh], step=step, lr=lr, beta1=self.args.beta1, beta2=self.args.beta2,
                             eps=self.optimizer.eps, weight_decay=self.args.weight_decay, grad_scale=coef)
@@ -386,6 +388,7 @@ class ZeRO3OffloadEngine(ZeROOffloadEngine):
         # it waits for the copy, and compute only for the gather, at b.gather.wait()
         shard = torch.empty_like(self._my_shard_of(b.param))
         self.copies.copy(shard, self.param_shard[self._shard_range(b)])
+        # (without CUDA the stream is None, and this `with` changes nothing)
         with torch.cuda.stream(self.copies.stream):
             b.gather = comm.all_gather(b.param, shard, async_op=True)
 
@@ -416,8 +419,8 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
     def _update(self, lr, coef):
         if not self.args.delayed_update:
             return super()._update(lr, coef)
-        # step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
-        # (after a step skipped for an fp16 overflow: the update before it goes up)
+        # Step t-1's update, computed while this step ran, goes to the device, and step t's runs during step t+1.
+        # After a step skipped for an fp16 overflow, the update before that step goes up.
         self._finish_update()
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
         self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, coef)
@@ -433,8 +436,8 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
         set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
 
     def _cpu_update(self, grad_shard, step, lr, coef):
-        for b in self.buckets:
-            self._adam_step(grad_shard, self._shard_range(b), step, lr, coef)
+        for k, b in enumerate(self.buckets):
+            self._adam_step(grad_shard, k, self._shard_range(b), step, lr, coef)
 
     def _finish_update(self):
         if self.update is not None:
@@ -498,12 +501,13 @@ class NVMeEngine(DelayedUpdateEngine):
         self.optimizer.exp_avg = exp_avg
         self.optimizer.exp_avg_sq = exp_avg_sq
 
-    def _adam_step(self, grad_shard, sh, step, lr, coef):
+    def _adam_step(self, grad_shard, k, sh, step, lr, coef):
         if self.args.offload_optimizer == "cpu":
-            return super()._adam_step(grad_shard, sh, step, lr, coef)
-        k = [self._shard_range(b) for b in self.buckets].index(sh)
-        # a checkpoint's copy of the states in host memory (state_pieces) is not needed any more
-        self._hold(None, None, None)
+            return super()._adam_step(grad_shard, k, sh, step, lr, coef)
+        # once a step, before the first bucket: a checkpoint's copy of the states in host memory (state_pieces) goes
+        if k == 0:
+            self._hold(None, None, None)
+        # bucket k's states pass through buffer k % count: this read waits for that buffer's last write (nvme.py)
         master, exp_avg, exp_avg_sq = self.disk.states(k)
         # the next bucket's states come in while this one's update runs (with one buffer, after it)
         if k + 1 < len(self.buckets) and len(self.disk.buffers) > 1:

@@ -112,8 +112,9 @@ def host_states(stage, psi, world_size, param_bytes, cuda, largest_bucket):
     """The bytes a rank keeps in host memory by the formula: offload's fp32 master and moments (pageable; with the
     NVMe tier, NVME_BUFFERS buffers of the largest bucket's states instead), its gradient shard, staging buffer and
     (--offload_params) parameter shard, pinned with CUDA and then rounded up to a power of two by PyTorch's
-    pinned-memory cache (train_gpt.pinned_theory)."""
-    from train_gpt import nvme_buffer_bytes, pinned_theory
+    pinned-memory cache (instruments.pinned_theory)."""
+    from instruments import pinned_theory
+    from nvme import nvme_buffer_bytes
     stage, offload_params, nvme = engine_stage(stage)
     if stage != "offload":
         return 0

@@ -11,7 +11,7 @@ still imports; the test suite then grades it. By default the exercise blanks the
 ZeRO-2); `--tag` picks others.
 
     python course/make_exercise.py stage2.py                        # writes exercises/stage2.py
-    python course/make_exercise.py stage3.py --tag ZeRO-2 --tag ZeRO-3 -o exercises/stage3_hard.py
+    python course/make_exercise.py stage3.py --tag ZeRO-3 --tag Prefetch -o exercises/stage3_hard.py
     python -m pytest tests --stage exercises/stage2.py              # grade a student's file
 """
 import argparse
