@@ -14,6 +14,7 @@ of the logical block size: ALIGN, 4096, is a multiple of every block size in use
 (tmpfs before Linux 6.6) the file is opened buffered, and `direct` and `mode` say so.
 """
 import errno
+import itertools
 import mmap
 import os
 import uuid
@@ -240,6 +241,22 @@ class DiskStates:
     def write(self, k):
         """Start writing bucket k's states back from its buffer."""
         self.writes[k % len(self.buffers)] = self.file.write(self.offsets[k], self._bytes(k))
+
+    def put(self, k, states):
+        """Bucket k's states (master, m, v: host or device tensors of numels[k] elements) to the file, through its
+        buffer."""
+        for view, state in zip(self.buffer(k), states):
+            view.copy_(state)
+        self.write(k)
+
+    def gather(self):
+        """Every bucket's states read into host memory: (master, m, v), each one flat tensor of the buckets in order
+        (a rank's flat shard of them, for a checkpoint)."""
+        held = [torch.empty(sum(self.numels)) for _ in range(3)]
+        for k, start in enumerate(itertools.accumulate([0] + self.numels[:-1])):
+            for state, view in zip(held, self.states(k)):
+                state[start:start + self.numels[k]] = view
+        return held
 
     def close(self):
         """Wait for every read and write, and remove the file."""

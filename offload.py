@@ -10,8 +10,7 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
 The idea: each bucket's reduced gradient shard goes down to host memory (Copies), the step's C++ AdamW (cpu_adam.cpp,
 built by load_inline) updates this rank's shard there, and the new parameters go up bucket by bucket. With CUDA the
 host buffers are pinned, so a copy does not block the host: it waits only where it reads what came down.
-With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the sum goes
-down (a sum on the host would have to wait inside backward for each micro-step's copy to land).
+With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the sum goes down.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
@@ -412,9 +411,16 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
 
     def __init__(self, model, args, device, units=None):
         super().__init__(model, args, device, units)
-        self.update = None
+        self.update = None  # step t's update, in flight during step t+1
+        # A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
+        # the update runs beside forward and backward, so the C++ AdamW leaves them a core.
         if args.delayed_update:
-            self._start_updater()
+            self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype)
+            # (this option's thread and cores: imported only when asked for)
+            from concurrent.futures import ThreadPoolExecutor
+            from devices import set_cpu_adam_threads
+            self.updater = ThreadPoolExecutor(1)
+            set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
 
     def _update(self, lr, coef):
         if not self.args.delayed_update:
@@ -424,16 +430,6 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
         self._finish_update()
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
         self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, coef)
-
-    def _start_updater(self):
-        """A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
-        the update runs beside forward and backward, so the C++ AdamW leaves them a core."""
-        self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype)
-        # (this option's thread and cores: imported only when asked for)
-        from concurrent.futures import ThreadPoolExecutor
-        from devices import set_cpu_adam_threads
-        self.updater = ThreadPoolExecutor(1)
-        set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
 
     def _cpu_update(self, grad_shard, step, lr, coef):
         for k, b in enumerate(self.buckets):
@@ -485,15 +481,9 @@ class NVMeEngine(DelayedUpdateEngine):
         self.disk = DiskStates(self.args.nvme_path, f"rank{self.rank}", numels, self.args.nvme_buffer_count)
         # the states are made a bucket at a time in its buffer and written to the file: host memory never holds them
         # all; AdamW, given an empty master, keeps only its step count and recipe
-        self._states_to_disk(lambda sh: (self.param_shard[sh], torch.zeros(()), torch.zeros(())))
-        return torch.empty(0)
-
-    def _states_to_disk(self, states_of):
-        """Each bucket's (master, m, v), states_of(the bucket's shard range), to the file through its buffer."""
         for k, b in enumerate(self.buckets):
-            for view, state in zip(self.disk.buffer(k), states_of(self._shard_range(b))):
-                view.copy_(state)
-            self.disk.write(k)
+            self.disk.put(k, (self.param_shard[self._shard_range(b)], torch.zeros(()), torch.zeros(())))
+        return torch.empty(0)
 
     def _hold(self, master, exp_avg, exp_avg_sq):
         """The states in host memory (None: none), where the engine above reads them."""
@@ -521,11 +511,7 @@ class NVMeEngine(DelayedUpdateEngine):
         # the states, read into host memory for a checkpoint (until resume() or the next update)
         if self.args.offload_optimizer == "nvme":
             self._finish_update()
-            held = [torch.empty(self.padded_numel // self.world_size) for _ in range(3)]
-            for k, b in enumerate(self.buckets):
-                for state, view in zip(held, self.disk.states(k)):
-                    state[self._shard_range(b)] = view
-            self._hold(*held)
+            self._hold(*self.disk.gather())
         return super().state_pieces()
 
     def resume(self, step):
@@ -533,7 +519,8 @@ class NVMeEngine(DelayedUpdateEngine):
         # the states a checkpoint filled in host memory go to the file, and the host keeps none
         if self.args.offload_optimizer == "nvme":
             held = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
-            self._states_to_disk(lambda sh: [state[sh] for state in held])
+            for k, b in enumerate(self.buckets):
+                self.disk.put(k, [state[self._shard_range(b)] for state in held])
             self._hold(None, None, None)
 
     def model_states(self):
