@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from comm import comm
 from devices import load_cpu_adam
-from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, trained
+from options import Misuse, require
+from train_gpt import AdamW, clip_coef, main, share_rank0s, trained
 from train_gpt import before_backward, units_of
 
 class Copies:

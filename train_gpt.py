@@ -5,12 +5,12 @@ and the training loop every stage shares. Run alone, it is the single-device ref
     python train_gpt.py --preset tiny --steps 50          # seconds on a laptop (no --preset: the `small` GPT, ~10M)
     python train_gpt.py --data input.txt --dtype fp32     # any UTF-8 text; fp32 for exact comparisons
 
-Every stage file (stage0_ddp.py ... offload.py) imports this file and comm.py (the collectives) and brings only its
-Engine, which takes any nn.Module, trains the parameters that require a gradient (examples/any_model.py), holds this
-rank's model states and moves them: forward(*args) -> the model's output, backward(loss, sync), step(lr, scaler) ->
-global gradient norm, padded_numel
-(Ψ'); and for checkpoints and the ledgers grad(p) -> (lo, view) of p's averaged gradient this rank holds,
-model_states(), state_pieces(), resume(step). The device layer, meters, options and checkpoints come after the stages.
+Every stage file (stage0_ddp.py ... offload.py) imports this file, comm.py (the collectives) and options.py (require,
+Misuse), and brings only its Engine, which takes any nn.Module, trains the parameters that require a gradient
+(examples/any_model.py), holds this rank's model states and moves them: forward(*args) -> the model's output,
+backward(loss, sync), step(lr, scaler) -> global gradient norm, padded_numel (Ψ'); and for checkpoints and the ledgers
+grad(p) -> (lo, view) of p's averaged gradient this rank holds, model_states(), state_pieces(), resume(step). The
+device layer, meters, options and checkpoints come after the stages.
 """
 import math, zlib
 import dataclasses
