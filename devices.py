@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.cpp_extension
 
+from comm import reduce_scatter_tensor  # torch 2.13's name, or an older torch's
+
 # ----------------------------------------------------------------------------------------------------------
 # The device, the dtype and the process group.
 
@@ -63,13 +65,12 @@ def not_averaging(rank, world_size, device):
     on the real process group: each rank gives rank + 1, whose average is (N + 1) / 2 and whose sum is N times that.
     (A world of one cannot tell a sum from an average; there TORCH_FLOOR alone guards.)"""
     average = (world_size + 1) / 2
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
     backend = f"the {dist.get_backend()} backend of torch {torch.__version__}"
     whole = torch.full((world_size,), rank + 1.0, device=device)
     part = torch.zeros(1, device=device)
     try:
         dist.all_reduce(whole, op=dist.ReduceOp.AVG)
-        reduce_scatter(part, torch.full((world_size,), rank + 1.0, device=device), op=dist.ReduceOp.AVG)
+        reduce_scatter_tensor(part, torch.full((world_size,), rank + 1.0, device=device), op=dist.ReduceOp.AVG)
     except Exception as e:  # gloo before torch 2.8: "Cannot use ReduceOp.AVG with Gloo"
         first_line = (str(e).splitlines() or [""])[0]
         return f"error: {backend} cannot average ({type(e).__name__}: {first_line}); {UPGRADE}"

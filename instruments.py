@@ -23,6 +23,14 @@ def pinned_bytes(nbytes):
     the next power of two (and kept for reuse once freed). Pageable memory is not rounded."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
+def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
+    """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
+    one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
+    updated parameters, and with --offload_params the parameter shard. (fp32 master and moments stay pageable.)"""
+    if stage != "offload":
+        return 0
+    return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
+
 def without(label, a, b, holes):
     """What is left of [a, b) outside `holes` (sorted (start, end) pairs), as (label, start, end) pieces."""
     pieces = []
@@ -638,29 +646,41 @@ def memory_table(s, th):
     if len(rows) > 1 and all(states == per_rank[0] for states in per_rank):
         rows = [(f"0-{len(rows) - 1}", per_rank[0], *[max(values) for values in list(zip(*columns))[1:]])]
     where = f"host: {', '.join(th['host'])}" if th["host"] else "all on the device"
+    # each column as wide as its header (nvme_buffers), at least 9
+    width = {c: max(9, len(c) + 1) for c in cats}
     lines = [f"memory per rank, MiB ({s['stage']}, {s['dtype']}, {th['formula']}; measured on step 1; {where})",
-             f"{'rank':>8} |" + "".join(f"{c:>9} |" for c in cats)
+             f"{'rank':>8} |" + "".join(f"{c:>{width[c]}} |" for c in cats)
              + "".join(f"{c:>9} |" for c in ("states", "live", "other")) + f"{'peak':>9}"]
     for name, states, live, other, peak in rows:
-        lines.append(f"{name:>8} |" + "".join(f"{mib(states.get(c, 0))} |" for c in cats)
+        lines.append(f"{name:>8} |" + "".join(f"{mib(states.get(c, 0)):>{width[c]}} |" for c in cats)
                      + f"{mib(sum(states.values()))} |{mib(live)} |{mib(other)} |{mib(peak)}")
-    lines.append(f"{'formula':>8} |" + "".join(f"{mib(theory[c])} |" for c in cats) + f"{mib(sum(theory.values()))} |")
+    lines.append(f"{'formula':>8} |" + "".join(f"{mib(theory[c]):>{width[c]}} |" for c in cats)
+                 + f"{mib(sum(theory.values()))} |")
     sent = {k: v["measured"] for k, v in s["comm_bytes_per_step"]["by_collective"].items() if v["measured"]}
     moves = comm_moves(s["stage"])
     each = ", ".join(f"{k} {amount(v)} ({moves.get(k, 'not in the formula')})"
                      for k, v in sorted(sent.items(), key=lambda kv: -kv[1]))
     total = f"sent per step {sum(sent.values()) / 2**20:.2f} MiB (formula {sum(th['comm'].values()) / 2**20:.2f})"
     lines += textwrap.wrap(f"{total}: {each or 'nothing'}", 120)
+    # the rest: what no attribute of the engine holds (scalars, buffers in flight, leaks)
     named = ", ".join(f"{'engine.' * (k not in ('the micro-batch', 'the rest'))}{k} {amount(v)}"
+                      + " (held by no attribute of the engine)" * (k == "the rest")
                       for k, v in s["other_named"].items() if v or k == "the micro-batch")
-    note = (f"other = live - states, on rank 0: {named}. live: every tensor on the device that the garbage collector "
-            f"finds (not the engine's list) after the last backward, less the data set ({amount(s['data_bytes'])}); "
-            f"the peak adds the step's activations and working set")
+    note = (f"other = live - states, on rank 0: {named}. "
+            f"live: every tensor on the device that the garbage collector finds (not the engine's list) after step 1's "
+            f"backward (step 1, the second step: step 0 makes Adam's moments), less the data set "
+            f"({amount(s['data_bytes'])}); the peak adds the step's activations and working set")
     lines += textwrap.wrap(note, 120)
     if th["disk"]:
         lines.append(f"on disk: the state file {s['disk_bytes']['measured'] / 2**20:.2f} MiB (formula 12Ψ/N = "
                      f"{th['disk'] / 2**20:.2f}: the fp32 master, Adam m and v; each bucket's from an offset aligned "
                      f"to 4 KiB)")
+        # one bucket's states a buffer, whatever the depth: from some Ψ on they weigh less than the states they replace
+        buffers = theory["nvme_buffers"]
+        if buffers > th["disk"]:
+            lines += textwrap.wrap(f"the tier's buffers ({buffers / 2**20:.2f} MiB) outweigh the states they keep off "
+                                   f"the host (12Ψ/N = {th['disk'] / 2**20:.2f} MiB): it pays from {buffers / th['disk']:.1f}x "
+                                   f"this Ψ, in more blocks of this width", 120)
     return "\n".join(lines)
 
 # ----------------------------------------------------------------------------------------------------------

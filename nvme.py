@@ -14,6 +14,7 @@ of the logical block size: ALIGN, 4096, is a multiple of every block size in use
 (tmpfs before Linux 6.6) the file is opened buffered, and `direct` and `mode` say so.
 """
 import errno
+import itertools
 import mmap
 import os
 import uuid
@@ -28,6 +29,24 @@ ALIGN = 4096
 
 def round_up(nbytes):
     return -(-nbytes // ALIGN) * ALIGN
+
+
+ON_DISK = ("master", "adam_m", "adam_v")  # the model states the tier keeps in its state file (train_gpt's names)
+
+
+def nvme_buffer_bytes(buffer_count, largest_bucket, world_size):
+    """The tier's host buffers: buffer_count of them, each one bucket's states (12 bytes an element of the largest
+    bucket's shard; largest_bucket is padded to a multiple of N), rounded up to ALIGN."""
+    return buffer_count * round_up(12 * largest_bucket // world_size)
+
+
+def nvme_theory(states, world_size, buffer_count, largest_bucket):
+    """The tier's formula (offload.py --offload_optimizer nvme), from the model states of offload in host memory: the
+    fp32 master and Adam's moments (12Ψ/N) go to the disk, and the host holds buffer_count buffers instead
+    (nvme_buffer_bytes). Returns the states left in memory and the bytes on disk."""
+    kept = {k: v for k, v in states.items() if k not in ON_DISK}
+    kept["nvme_buffers"] = nvme_buffer_bytes(buffer_count, largest_bucket, world_size)
+    return kept, sum(states[k] for k in ON_DISK)
 
 
 def aligned(nbytes, pin=False):
@@ -222,6 +241,22 @@ class DiskStates:
     def write(self, k):
         """Start writing bucket k's states back from its buffer."""
         self.writes[k % len(self.buffers)] = self.file.write(self.offsets[k], self._bytes(k))
+
+    def put(self, k, states):
+        """Bucket k's states (master, m, v: host or device tensors of numels[k] elements) to the file, through its
+        buffer."""
+        for view, state in zip(self.buffer(k), states):
+            view.copy_(state)
+        self.write(k)
+
+    def gather(self):
+        """Every bucket's states read into host memory: (master, m, v), each one flat tensor of the buckets in order
+        (a rank's flat shard of them, for a checkpoint)."""
+        held = [torch.empty(sum(self.numels)) for _ in range(3)]
+        for k, start in enumerate(itertools.accumulate([0] + self.numels[:-1])):
+            for state, view in zip(held, self.states(k)):
+                state[start:start + self.numels[k]] = view
+        return held
 
     def close(self):
         """Wait for every read and write, and remove the file."""

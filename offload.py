@@ -2,16 +2,15 @@
 offload.py: ZeRO-Offload, stage 3 plus one idea: the optimizer and its states live in CPU memory.
 
 Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
-    device    bf16 parameters 2Ψ/N (none with --offload_params) + the working set of stage 3 (ZeRO-Offload paper)
-              + with --grad_accum > 1, the gradient shard summed over the micro-steps 2Ψ/N (--offload_params too)
-    host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ the parameters 2Ψ/N: --offload_params)
+    device    bf16 parameters 2Ψ/N (0 with --offload_params) + stage 3's working set (ZeRO-Offload paper)
+              + 2Ψ/N with --grad_accum > 1: the gradient shard summed over the micro-steps
+    host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ 2Ψ/N with --offload_params: the parameters)
     sent      what stage 3 sends; and over each rank's device-host link, 2Ψ/N down and 2Ψ/N up
 
 The idea: each bucket's reduced gradient shard goes down to host memory (Copies), the step's C++ AdamW (cpu_adam.cpp,
 built by load_inline) updates this rank's shard there, and the new parameters go up bucket by bucket. With CUDA the
 host buffers are pinned, so a copy does not block the host: it waits only where it reads what came down.
-With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the sum goes
-down (a sum on the host would have to wait inside backward for each micro-step's copy to land).
+With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the sum goes down.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
@@ -22,7 +21,8 @@ import torch.nn as nn
 
 from comm import comm
 from devices import load_cpu_adam
-from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, trained
+from options import Misuse, require
+from train_gpt import AdamW, clip_coef, main, share_rank0s, trained
 from train_gpt import before_backward, units_of
 
 class Copies:
@@ -47,7 +47,8 @@ class Copies:
             self.stream.synchronize()
 
     def joined(self):
-        """What the compute stream runs next runs after every copy queued so far: on one stream, it does already."""
+        """Make what the compute stream runs next wait for every copy queued so far. On one stream it waits already;
+        lesson 7's copy stream overrides this."""
 
 # [Copy stream] with CUDA, the copies run on a stream of their own, beside compute instead of between it
 class CopyStream(Copies):
@@ -84,7 +85,7 @@ class Bucket:
         self.grad = None  # the bucket's full gradient: exists only until reduced
         self.gather = None  # the all-gather of its parameters in flight
 
-class OffloadEngine:
+class ZeROOffloadEngine:
     """ZeRO-Offload: stage 3 with the gradient shard, master weights and Adam on the CPU, updated by C++ AdamW."""
     # main() builds the model on the meta device (shapes, no storage), and __init__ makes it bucket by bucket.
     from_meta = True
@@ -185,7 +186,7 @@ class OffloadEngine:
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
         # b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         backward = backward or b.waiting > 0
-        # b's backward is over: a gradient reached an output of b's that does not depend on b's parameters
+        # b's backward is over when a gradient reaches an output of b's that does not depend on b's parameters
         if backward and not b.waiting:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
@@ -230,11 +231,11 @@ class OffloadEngine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        # Every micro-step reduces its complete buckets: only the shard accumulates.
+        # Every micro-step reduces its complete buckets, so only the shard accumulates.
         if b.waiting == 0:
             # the bucket's backward is done: free its full parameters
             self._free(b)
-            # reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
+            # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
@@ -296,8 +297,8 @@ class OffloadEngine:
 
     def _update(self, lr, coef):
         """AdamW bucket by bucket: a bucket's new parameters go up while the next bucket is updated."""
-        for b in self.buckets:
-            self._adam_step(self.grad_shard, self._shard_range(b), self.optimizer.t, lr, coef)
+        for k, b in enumerate(self.buckets):
+            self._adam_step(self.grad_shard, k, self._shard_range(b), self.optimizer.t, lr, coef)
             self._send(self._shard_range(b))
         # The next forward's gathers run after the copies up; the host goes on (staging waits for the next landed()).
         self.copies.joined()
@@ -312,12 +313,13 @@ class OffloadEngine:
 
     # [Offload] AdamW on the host, in C++
     def _host_master(self):
-        """The fp32 master: a copy of this rank's parameter shard in host memory."""
+        """The fp32 master: a copy of this rank's parameter shard in host memory (lesson 10 puts it on disk)."""
         return self.param_shard.to("cpu", torch.float32, copy=True)
 
-    def _adam_step(self, grad_shard, sh, step, lr, coef):
-        """C++ AdamW on this rank's elements sh, clipping the gradient by coef and writing the new parameters into
-        staging in the same pass (the host has waited for staging's last copies up)."""
+    def _adam_step(self, grad_shard, k, sh, step, lr, coef):
+        """C++ AdamW on this rank's elements sh of bucket k, clipping the gradient by coef and writing the new
+        parameters into staging in the same pass (the host has waited for staging's last copies up). Lesson 9 passes
+        its second gradient shard; lesson 10 reads bucket k's states from disk."""
         self.adam.adam_step(self.master[sh], grad_shard[sh], self.optimizer.exp_avg[sh], self.optimizer.exp_avg_sq[sh],
                             self.staging[sh], step=step, lr=lr, beta1=self.args.beta1, beta2=self.args.beta2,
                             eps=self.optimizer.eps, weight_decay=self.args.weight_decay, grad_scale=coef)
@@ -337,9 +339,8 @@ class OffloadEngine:
     def model_states(self):
         # --grad_accum > 1: the gradient shard summed on the device
         summed = {"grad_acc": [self.grad_acc]} if self.grad_acc is not None else {}
-        return {"params": [self.param_shard], "grads": [self.grad_shard],
-                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq],
-                **summed}
+        return {"params": [self.param_shard], "grads": [self.grad_shard], **summed,
+                "master": [self.master], "adam_m": [self.optimizer.exp_avg], "adam_v": [self.optimizer.exp_avg_sq]}
 
     def state_pieces(self):
         """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
@@ -365,9 +366,8 @@ class OffloadEngine:
         self._params_from_master()
 
 # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
-# ZeRO-3 Offload (ZeRO-Infinity's name): the engine above, extended under its own name; without the option, each
-# method below is the one above.
-class OffloadEngine(OffloadEngine):
+# ZeRO-3 Offload (ZeRO-Infinity's name) extends the engine above; without the option, each method is the one above.
+class ZeRO3OffloadEngine(ZeROOffloadEngine):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -388,6 +388,7 @@ class OffloadEngine(OffloadEngine):
         # it waits for the copy, and compute only for the gather, at b.gather.wait()
         shard = torch.empty_like(self._my_shard_of(b.param))
         self.copies.copy(shard, self.param_shard[self._shard_range(b)])
+        # (without CUDA the stream is None, and this `with` changes nothing)
         with torch.cuda.stream(self.copies.stream):
             b.gather = comm.all_gather(b.param, shard, async_op=True)
 
@@ -400,10 +401,10 @@ class OffloadEngine(OffloadEngine):
 # [/ZeRO-3 Offload]
 
 # [DPU] --delayed_update: step t's CPU update runs in a thread during step t+1
-# The delayed parameter update (the ZeRO-Offload paper's DPU), the engine above extended: with --delayed_update, step
-# t's AdamW runs in a thread during step t+1's forward and backward, and its parameters go up at the end of step t+1:
-# from the second step on, each forward runs on parameters one update old.
-class OffloadEngine(OffloadEngine):
+# The delayed parameter update (the ZeRO-Offload paper's DPU) extends the engine above: with --delayed_update, step
+# t's AdamW runs in a thread during step t+1's forward and backward, and its parameters go up at the end of step t+1.
+# From the second step on, each forward runs on parameters one update old.
+class DelayedUpdateEngine(ZeRO3OffloadEngine):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -411,32 +412,29 @@ class OffloadEngine(OffloadEngine):
 
     def __init__(self, model, args, device, units=None):
         super().__init__(model, args, device, units)
-        self.update = None
+        self.update = None  # step t's update, in flight during step t+1
+        # A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
+        # the update runs beside forward and backward, so the C++ AdamW leaves them a core.
         if args.delayed_update:
-            self._start_updater()
+            self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype)
+            # (this option's thread and cores: imported only when asked for)
+            from concurrent.futures import ThreadPoolExecutor
+            from devices import set_cpu_adam_threads
+            self.updater = ThreadPoolExecutor(1)
+            set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
 
     def _update(self, lr, coef):
         if not self.args.delayed_update:
             return super()._update(lr, coef)
-        # step t-1's update, computed while this step ran, goes to the device; step t's runs during step t+1
-        # (after a step skipped for an fp16 overflow: the update before it goes up)
+        # Step t-1's update, computed while this step ran, goes to the device, and step t's runs during step t+1.
+        # After a step skipped for an fp16 overflow, the update before that step goes up.
         self._finish_update()
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
         self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, coef)
 
-    def _start_updater(self):
-        """A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
-        the update runs beside forward and backward, so the C++ AdamW leaves them a core."""
-        self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype)
-        # (this option's thread and cores: imported only when asked for)
-        from concurrent.futures import ThreadPoolExecutor
-        from devices import set_cpu_adam_threads
-        self.updater = ThreadPoolExecutor(1)
-        set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
-
     def _cpu_update(self, grad_shard, step, lr, coef):
-        for b in self.buckets:
-            self._adam_step(grad_shard, self._shard_range(b), step, lr, coef)
+        for k, b in enumerate(self.buckets):
+            self._adam_step(grad_shard, k, self._shard_range(b), step, lr, coef)
 
     def _finish_update(self):
         if self.update is not None:
@@ -463,12 +461,12 @@ class OffloadEngine(OffloadEngine):
 # [/DPU]
 
 # [NVMe] --offload_optimizer nvme: the optimizer states in a file, streamed through a few host buffers
-# ZeRO-Infinity's NVMe tier (arXiv 2104.07857), the engine above extended: this rank's fp32 master and Adam's moments
+# ZeRO-Infinity's NVMe tier (arXiv 2104.07857) extends the engine above: this rank's fp32 master and Adam's moments
 # (12Ψ/N bytes) live in a file under --nvme_path, and host memory keeps only --nvme_buffer_count buffers of one
 # bucket's states each. The update walks the buckets: while the C++ AdamW updates bucket k in its buffer, bucket k+1's
 # states are read into the next and bucket k-1's are written back from the one before (nvme.DiskStates: the file, its
 # layout and its buffers; O_DIRECT on a thread pool).
-class OffloadEngine(OffloadEngine):
+class NVMeEngine(DelayedUpdateEngine):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
@@ -484,15 +482,9 @@ class OffloadEngine(OffloadEngine):
         self.disk = DiskStates(self.args.nvme_path, f"rank{self.rank}", numels, self.args.nvme_buffer_count)
         # the states are made a bucket at a time in its buffer and written to the file: host memory never holds them
         # all; AdamW, given an empty master, keeps only its step count and recipe
-        self._states_to_disk(lambda sh: (self.param_shard[sh], torch.zeros(()), torch.zeros(())))
-        return torch.empty(0)
-
-    def _states_to_disk(self, states_of):
-        """Each bucket's (master, m, v), states_of(the bucket's shard range), to the file through its buffer."""
         for k, b in enumerate(self.buckets):
-            for view, state in zip(self.disk.buffer(k), states_of(self._shard_range(b))):
-                view.copy_(state)
-            self.disk.write(k)
+            self.disk.put(k, (self.param_shard[self._shard_range(b)], torch.zeros(()), torch.zeros(())))
+        return torch.empty(0)
 
     def _hold(self, master, exp_avg, exp_avg_sq):
         """The states in host memory (None: none), where the engine above reads them."""
@@ -500,12 +492,13 @@ class OffloadEngine(OffloadEngine):
         self.optimizer.exp_avg = exp_avg
         self.optimizer.exp_avg_sq = exp_avg_sq
 
-    def _adam_step(self, grad_shard, sh, step, lr, coef):
+    def _adam_step(self, grad_shard, k, sh, step, lr, coef):
         if self.args.offload_optimizer == "cpu":
-            return super()._adam_step(grad_shard, sh, step, lr, coef)
-        k = [self._shard_range(b) for b in self.buckets].index(sh)
-        # a checkpoint's copy of the states in host memory (state_pieces) is not needed any more
-        self._hold(None, None, None)
+            return super()._adam_step(grad_shard, k, sh, step, lr, coef)
+        # once a step, before the first bucket: a checkpoint's copy of the states in host memory (state_pieces) goes
+        if k == 0:
+            self._hold(None, None, None)
+        # bucket k's states pass through buffer k % count: this read waits for that buffer's last write (nvme.py)
         master, exp_avg, exp_avg_sq = self.disk.states(k)
         # the next bucket's states come in while this one's update runs (with one buffer, after it)
         if k + 1 < len(self.buckets) and len(self.disk.buffers) > 1:
@@ -519,11 +512,7 @@ class OffloadEngine(OffloadEngine):
         # the states, read into host memory for a checkpoint (until resume() or the next update)
         if self.args.offload_optimizer == "nvme":
             self._finish_update()
-            held = [torch.empty(self.padded_numel // self.world_size) for _ in range(3)]
-            for k, b in enumerate(self.buckets):
-                for state, view in zip(held, self.disk.states(k)):
-                    state[self._shard_range(b)] = view
-            self._hold(*held)
+            self._hold(*self.disk.gather())
         return super().state_pieces()
 
     def resume(self, step):
@@ -531,7 +520,8 @@ class OffloadEngine(OffloadEngine):
         # the states a checkpoint filled in host memory go to the file, and the host keeps none
         if self.args.offload_optimizer == "nvme":
             held = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
-            self._states_to_disk(lambda sh: [state[sh] for state in held])
+            for k, b in enumerate(self.buckets):
+                self.disk.put(k, [state[self._shard_range(b)] for state in held])
             self._hold(None, None, None)
 
     def model_states(self):
@@ -547,6 +537,9 @@ class OffloadEngine(OffloadEngine):
         if self.args.offload_optimizer == "nvme":
             self.disk.close()
 # [/NVMe]
+
+# main runs the newest lesson's engine: the last class above, which extends every lesson's class before it
+OffloadEngine = [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, ZeROOffloadEngine)][-1]
 
 if __name__ == "__main__":
     main(OffloadEngine, stage="offload")

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from comm import comm
-from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, sum_of_squares, trained
+from options import Misuse, require
+from train_gpt import AdamW, clip_coef, main, share_rank0s, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from comm import comm
-from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, sum_of_squares, trained
+from options import Misuse, require
+from train_gpt import AdamW, clip_coef, main, share_rank0s, sum_of_squares, trained
 
 class Bucket:
     """A run of parameters whose gradients are reduced by one collective, with flat buffers for both, padded to
@@ -77,8 +78,8 @@ class ZeRO2Engine:
         self.master = torch.cat([self._my_shard_of(b.param) for b in self.buckets]).float()
         # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
-        # this rank's gradient shard (ZeRO-2's 2Ψ/N of gradients): every micro-step's reduce-scatter adds into it
-        # (stage 1's received only the last), so it lives from the first backward to the step: made once, zeroed by step
+        # This rank's gradient shard (ZeRO-2's 2Ψ/N of gradients). Every micro-step's reduce-scatter adds into it (stage
+        # 1's received only the last), so it lives from the first backward to the step, which zeroes it.
         self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)
         self.in_flight = []
         for p in params:
@@ -115,9 +116,9 @@ class ZeRO2Engine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        # Every micro-step reduces its complete buckets: only the shard accumulates.
+        # Every micro-step reduces its complete buckets, so only the shard accumulates.
         if b.waiting == 0:
-            # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
+            # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it

@@ -5,8 +5,9 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
     P_os+g+p  bf16 parameters 2Ψ/N + bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N  =  16Ψ/N
     sent      per micro-step: 2 all-gathers of the parameters (forward, backward) + 1 reduce-scatter  =  3Ψ(N-1)/N
 
-The idea: a bucket is a module's parameters, the unit of gathering: each block of an nn.ModuleList (or each module of
-`units=[...]`), the root taking the rest, a weight units share going to a unit that holds them all (units_of). Hooks
+The idea: a bucket is a module's parameters, the unit of gathering. Each block of an nn.ModuleList (or each module of
+`units=[...]`) is a unit, and the root takes the rest; a weight that units share goes to a unit that holds them all
+(units_of). Hooks
 gather a unit's parameters just before each call of its forward and its backward, prefetching the next unit's, and free
 them right after (the storage resized to zero; none stays gathered across a step): a rank holds a unit or two beyond
 the formula. Nor is the model ever whole: the engine makes it unit by unit (from the meta device) and keeps its shard.
@@ -19,7 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from comm import comm
-from train_gpt import AdamW, Misuse, clip_coef, main, require, share_rank0s, sum_of_squares, trained
+from options import Misuse, require
+from train_gpt import AdamW, clip_coef, main, share_rank0s, sum_of_squares, trained
 from train_gpt import before_backward, units_of
 
 class Bucket:
@@ -67,9 +69,9 @@ class ZeRO3Engine:
         self.padded_numel = self._pad(self.buckets[-1])
 
         # Model states. Each bucket's parameters become views of one flat buffer, so one collective moves them all.
-        # [ZeRO-3] this rank's shard of every bucket's parameters: the only parameters it keeps
+        # [ZeRO-3] each bucket made and broadcast; this rank keeps its shard of it, and the rest is freed
+        # this rank's shard of every bucket's parameters: the only parameters it keeps
         self.param_shard = torch.empty(self.padded_numel // self.world_size, dtype=params[0].dtype, device=device)
-        # [/ZeRO-3]
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=params[0].dtype, device=device)
             for p in b.params:
@@ -81,18 +83,17 @@ class ZeRO3Engine:
                 p.data = b.param[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
             # Once, before training, so that every rank starts from rank 0's weights.
             dist.broadcast(b.param, src=0)
-            # [ZeRO-3] keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
+            # keep this rank's shard of the bucket, free the rest: the whole model never exists on any rank
             self.param_shard[self._shard_range(b)] = self._my_shard_of(b.param)
             b.param.untyped_storage().resize_(0)  # the storage itself, which every view of the bucket shares
-            # [/ZeRO-3]
+        # [/ZeRO-3]
         # Frozen parameters and buffers are rank 0's too (buffers are broadcast again before each forward).
         share_rank0s(model, args)
-        # [ZeRO-1] the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
+        # the fp32 master weights (and so Adam's moments) of this rank's shard of every bucket only
         self.master = self.param_shard.to(torch.float32, copy=True)  # fp32 master: this rank's shard (a copy)
-        # [/ZeRO-1]
         self.optimizer = AdamW(self.master, args)
-        # this rank's gradient shard (ZeRO-2's 2Ψ/N of gradients): every micro-step's reduce-scatter adds into it
-        # (stage 1's received only the last), so it lives from the first backward to the step: made once, zeroed by step
+        # This rank's gradient shard (ZeRO-2's 2Ψ/N of gradients). Every micro-step's reduce-scatter adds into it (stage
+        # 1's received only the last), so it lives from the first backward to the step, which zeroes it.
         self.grad_shard = torch.zeros_like(self.master, dtype=params[0].dtype)
         self.in_flight = []
         # [ZeRO-3] hook every unit's forward: gather its parameters just before, free them right after
@@ -108,7 +109,7 @@ class ZeRO3Engine:
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
 
-    # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
+    # the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
         """Round the bucket up to a multiple of N elements (the padding is zeros, and stays zero)."""
         b.end = -(-b.end // self.world_size) * self.world_size
@@ -122,7 +123,6 @@ class ZeRO3Engine:
     def _shard_range(self, b):
         """Where this rank's shard of bucket b lies in the rank's flat shards (master, moments)."""
         return slice(b.start // self.world_size, b.end // self.world_size)
-    # [/ZeRO-1]
 
     # [ZeRO-3] gather just in time (async, prefetching the next unit in the recorded order), free right after use
     def _gather(self, b):
@@ -137,7 +137,7 @@ class ZeRO3Engine:
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         backward = backward or b.waiting > 0
         # [/Recompute]
-        # b's backward is over: a gradient reached an output of b's that does not depend on b's parameters
+        # b's backward is over when a gradient reaches an output of b's that does not depend on b's parameters
         if backward and not b.waiting:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
@@ -178,33 +178,29 @@ class ZeRO3Engine:
         b = self.bucket_of[p]
         # Only engine.backward arms this hook: it counts the gradients each bucket waits for.
         require(b.waiting > 0, Misuse.OUTSIDE_BACKWARD)
-        # [ZeRO-2] a bucket's full gradient exists only from its first gradient until it is reduced
+        # a bucket's full gradient exists only from its first gradient until it is reduced
         if b.grad is None:
             b.grad = torch.zeros_like(b.param)
-        # [/ZeRO-2]
         # The bucket holds the only copy of the gradient.
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        # Every micro-step reduces its complete buckets: only the shard accumulates.
+        # Every micro-step reduces its complete buckets, so only the shard accumulates.
         if b.waiting == 0:
-            # [ZeRO-3] the bucket's backward is done: free its full parameters
+            # the bucket's backward is done: free its full parameters
             self._free(b)
-            # [/ZeRO-3]
-            # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async), then release the bucket before it
+            # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
-            # [/ZeRO-2]
 
-    # [ZeRO-2] wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
+    # wait for the bucket's reduce-scatter, add b.reduced into this rank's grad_shard, free the full gradient
     def _release(self, b):
         b.work.wait()
         self.grad_shard[self._shard_range(b)] += b.reduced
         b.grad = b.reduced = b.work = None
-    # [/ZeRO-2]
 
     def forward(self, *args, **kwargs):
         require({id(p) for _, p in trained(self.model)} == set(map(id, self.bucket_of)), Misuse.CHANGED)
@@ -229,7 +225,7 @@ class ZeRO3Engine:
         for b in self.buckets:
             self._free(b)
         # [/ZeRO-3]
-        # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
+        # the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)
         norm = norm.sqrt()
@@ -241,16 +237,14 @@ class ZeRO3Engine:
         # One bucket's shard of the gradient in fp32 at a time.
         self.optimizer.step(((self._shard_range(b), self.grad_shard[self._shard_range(b)].float().mul_(coef))
                              for b in self.buckets), lr)
-        # [/ZeRO-1]
         self._params_from_master()
         self._drop_gradient()
         return norm
 
     def _params_from_master(self):
         """The model's parameters from the updated master."""
-        # [ZeRO-3] the updated shard, cast into this rank's parameter shard (no all-gather: gathered when next used)
+        # the updated shard, cast into this rank's parameter shard (no all-gather: gathered when next used)
         self.param_shard.copy_(self.master)
-        # [/ZeRO-3]
 
     def _drop_gradient(self):
         """The step used (or skipped) this gradient: the next one starts from zero."""

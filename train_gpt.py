@@ -5,12 +5,12 @@ and the training loop every stage shares. Run alone, it is the single-device ref
     python train_gpt.py --preset tiny --steps 50          # seconds on a laptop (no --preset: the `small` GPT, ~10M)
     python train_gpt.py --data input.txt --dtype fp32     # any UTF-8 text; fp32 for exact comparisons
 
-Every stage file (stage0_ddp.py ... offload.py) imports this file and comm.py (the collectives) and brings only its
-Engine, which takes any nn.Module, trains the parameters that require a gradient (examples/any_model.py), holds this
-rank's model states and moves them: forward(*args) -> the model's output, backward(loss, sync), step(lr, scaler) ->
-global gradient norm, padded_numel
-(Ψ'); and for checkpoints and the ledgers grad(p) -> (lo, view) of p's averaged gradient this rank holds,
-model_states(), state_pieces(), resume(step). The device layer, meters, options and checkpoints come after the stages.
+Every stage file (stage0_ddp.py ... offload.py) imports this file, comm.py (the collectives) and options.py (require,
+Misuse), and brings only its Engine, which takes any nn.Module, trains the parameters that require a gradient
+(examples/any_model.py), holds this rank's model states and moves them: forward(*args) -> the model's output,
+backward(loss, sync), step(lr, scaler) -> global gradient norm, padded_numel (Ψ'); and for checkpoints and the ledgers
+grad(p) -> (lo, view) of p's averaged gradient this rank holds, model_states(), state_pieces(), resume(step). The
+device layer, meters, options and checkpoints come after the stages.
 """
 import math, zlib
 import dataclasses
@@ -27,7 +27,8 @@ from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_che
 from options import Misuse, check_args, gpt_config, load_text, parse_args, require
 from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
 from comm import comm
-from instruments import Run, check_profile, evaluate, finish, holdings, pinned_bytes, summarize
+from instruments import Run, check_profile, evaluate, finish, holdings, pinned_theory, summarize
+from nvme import ON_DISK, nvme_theory  # the NVMe tier's formula: its file and buffers
 
 # ----------------------------------------------------------------------------------------------------------
 # The model: nanoGPT's decoder (pre-LayerNorm blocks, GELU MLP, LM head tied to the token embedding), without
@@ -197,8 +198,6 @@ def formula_text(stage, param_bytes=2, grad_shards=1, grad_acc=False):
     shard = sum(v for k, v in b.items() if k in SHARDED[stage])
     return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{shard}Ψ/N"] * bool(shard))
 
-ON_DISK = ("master", "adam_m", "adam_v")  # the categories offload's NVMe tier keeps in its state file
-
 def host_categories(stage, offload_params=False, nvme=False):
     """The model states ZeRO-Offload keeps in CPU memory (the optimizer's side); the rest stay on the device (the
     parameters unless offload_params; with gradient accumulation, "grad_acc": the gradient shard summed there). With
@@ -207,28 +206,6 @@ def host_categories(stage, offload_params=False, nvme=False):
         return ()
     optimizer = ("nvme_buffers",) if nvme else ON_DISK
     return ("grads",) + optimizer + ("params",) * offload_params
-
-def nvme_buffer_bytes(buffer_count, largest_bucket, world_size):
-    """The NVMe tier's host buffers: buffer_count of them, each one bucket's states (12 bytes an element of the largest
-    bucket's shard; largest_bucket is padded to a multiple of N), rounded up to nvme.ALIGN."""
-    from nvme import round_up
-    return buffer_count * round_up(12 * largest_bucket // world_size)
-
-def nvme_theory(states, world_size, buffer_count, largest_bucket):
-    """The NVMe tier (offload.py --offload_optimizer nvme), from the model states of offload in host memory: the
-    fp32 master and Adam's moments (12Ψ/N) go to the disk, and the host holds buffer_count buffers instead
-    (nvme_buffer_bytes). Returns the states left in memory and the bytes on disk."""
-    kept = {k: v for k, v in states.items() if k not in ON_DISK}
-    kept["nvme_buffers"] = nvme_buffer_bytes(buffer_count, largest_bucket, world_size)
-    return kept, sum(states[k] for k in ON_DISK)
-
-def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
-    """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
-    one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
-    updated parameters, and with --offload_params the parameter shard. (fp32 master and moments stay pageable.)"""
-    if stage != "offload":
-        return 0
-    return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
 
 def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
     """Bytes this rank sends per optimizer step, by collective, with ring algorithms: an all-reduce sends 2(N-1)/N of
@@ -333,11 +310,9 @@ class AdamW:
             del grad  # this bucket's fp32 gradient, before the generator makes the next one
 
 def sum_of_squares(t, block=1 << 20):
-    """Σ t² over all of t as a float64 scalar, accurate at any size (the norm decides the clipping): vector_norm of
-    one 124M-element fp32 vector is 1.3-2.7% off on CPU, while torch.sum reduces pairwise, so squares summed in fp32
-    per block of 1M elements, the blocks added in float64, stay within 1e-7. One block's fp32 copy at a time. On CUDA
-    a reduction is a tree, accurate at any size, and each block would cost a few kernel launches: one norm kernel
-    (in fp32, no copy) over all of t instead."""
+    """Σ t² over all of t as a float64 scalar, accurate at any size (the norm decides the clipping): squares summed in
+    fp32 per block of 1M elements (one block's fp32 copy at a time), the blocks added in float64 (bench/README.md says
+    why). On CUDA a reduction is a tree, accurate at any size: one norm kernel in fp32 over all of t."""
     if t.is_cuda:
         return torch.linalg.vector_norm(t, dtype=torch.float32).double().square()
     return sum(part.float().square().sum().double() for part in t.reshape(-1).split(block))
@@ -346,12 +321,11 @@ class NonFiniteGradNorm(FloatingPointError):
     """The global gradient norm is NaN or infinite: no update may use it (main stops the run with one line)."""
 
 class LossScaler:
-    """fp16's dynamic loss scaling: DeepSpeed's initial scale (2^16), window (1000) and floor (1), without its
-    hysteresis (DeepSpeed's default 2 halves the scale only at the second overflow; here every overflow halves it, as
-    DeepSpeed does with "hysteresis": 1). fp16's 5 exponent bits make a gradient below 2^-24 zero and one above 65504
-    inf; so train_step multiplies the loss by `scale` before backward, and clip_coef divides it out in the clipping
-    coefficient. An overflow (a non-finite norm) skips the step and halves the scale, `window` steps in a row without
-    one double it, one at the `floor` stops the run. Off (scale 1) in bf16 and fp32: fp32's range."""
+    """fp16's dynamic loss scaling, DeepSpeed's with "hysteresis": 1 (course/README.md's table has its config). fp16's
+    5 exponent bits make a gradient below 2^-24 zero and one above 65504 inf, so train_step multiplies the loss by
+    `scale` before backward, and clip_coef divides it out in the clipping coefficient. An overflow (a non-finite norm)
+    skips the step and halves the scale, `window` steps in a row without one double it, and one at the `floor` stops
+    the run. Off (scale 1) in bf16 and fp32: fp32's range."""
     def __init__(self, enabled=False, scale=2.0**16, window=1000, floor=1.0):
         self.enabled = enabled  # its state is vars(self): the run's summary and checkpoints keep it
         self.scale = scale if enabled else 1.0

@@ -18,7 +18,7 @@ with --offload_params the parameters too: "host" is that CPU memory, per rank an
 rank). "host used" is what a rank allocates there with CUDA: the buffers device-host copies touch (gradient shard,
 a second one with --delayed_update, the staging buffer of updated parameters, the parameter shard with
 --offload_params) are pinned, and PyTorch's pinned-memory cache rounds each allocation up to a power of two: up to
-twice their size (train_gpt.pinned_theory). DeepSpeed's own estimator multiplies CPU memory by a 1.5 safety factor;
+twice their size (instruments.pinned_theory). DeepSpeed's own estimator multiplies CPU memory by a 1.5 safety factor;
 this one does not.
 """
 import argparse, math, os, sys

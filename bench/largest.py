@@ -75,13 +75,13 @@ MAX_LAYERS = 4096
 
 
 def load_engine(stage):
-    """The Engine class of a stage file: the one class in it whose name ends in Engine."""
+    """The Engine class a stage file runs: the last name in it ending in Engine (offload.py's OffloadEngine)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(stage, ROOT / SCRIPTS[stage])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return next(v for k, v in vars(module).items()
-                if k.endswith("Engine") and isinstance(v, type) and v.__module__ == module.__name__)
+    return [v for k, v in vars(module).items()
+               if k.endswith("Engine") and isinstance(v, type) and v.__module__ == module.__name__][-1]
 
 
 def n_params(cfg):
@@ -112,8 +112,9 @@ def host_states(stage, psi, world_size, param_bytes, cuda, largest_bucket):
     """The bytes a rank keeps in host memory by the formula: offload's fp32 master and moments (pageable; with the
     NVMe tier, NVME_BUFFERS buffers of the largest bucket's states instead), its gradient shard, staging buffer and
     (--offload_params) parameter shard, pinned with CUDA and then rounded up to a power of two by PyTorch's
-    pinned-memory cache (train_gpt.pinned_theory)."""
-    from train_gpt import nvme_buffer_bytes, pinned_theory
+    pinned-memory cache (instruments.pinned_theory)."""
+    from instruments import pinned_theory
+    from nvme import nvme_buffer_bytes
     stage, offload_params, nvme = engine_stage(stage)
     if stage != "offload":
         return 0

@@ -11,13 +11,17 @@ still imports; the test suite then grades it. By default the exercise blanks the
 ZeRO-2); `--tag` picks others.
 
     python course/make_exercise.py stage2.py                        # writes exercises/stage2.py
-    python course/make_exercise.py stage3.py --tag ZeRO-2 --tag ZeRO-3 -o exercises/stage3_hard.py
+    python course/make_exercise.py stage3.py --tag ZeRO-3 --tag Prefetch -o exercises/stage3_hard.py
     python -m pytest tests --stage exercises/stage2.py              # grade a student's file
 """
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LADDER = ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py", "offload.py"]
 
 # the ideas, in the order the stages introduce them; the recompute of activation checkpointing (stage 3's) and
 # offload.py's later steps are ideas of their own: the copies on a stream of their own, the parameter shard in CPU
@@ -102,6 +106,18 @@ def make_exercise(source, tags):
     return "\n".join(replace_regions(source.splitlines(), tags, blank)) + "\n"
 
 
+def link_helpers(folder):
+    """Links in `folder` to the files a stage imports (train_gpt.py, comm.py, ..., cpu_adam.cpp), so that a file
+    written there runs as the stages do, from the repository root: `torchrun ... exercises/stage2.py` (Python puts the
+    script's folder on its path, not the current one). A file already there is left as it is."""
+    folder = Path(folder).resolve()
+    if folder == ROOT:
+        return
+    for helper in sorted(ROOT.iterdir()):
+        if helper.suffix in (".py", ".cpp") and helper.name not in LADDER and not (folder / helper.name).exists():
+            (folder / helper.name).symlink_to(os.path.relpath(helper, folder))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Make the exercise version of a stage file.")
     p.add_argument("stage", help="a reference stage file, e.g. stage2.py")
@@ -122,7 +138,9 @@ def main(argv=None):
     out = Path(args.output) if args.output else Path("exercises") / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(make_exercise(source, tags))
-    print(f"wrote {out}: blanked {', '.join(tags)}; grade it with: python -m pytest tests --stage {out}")
+    link_helpers(out.parent)
+    print(f"wrote {out}: blanked {', '.join(tags)}; run it with: torchrun --standalone --nproc_per_node 2 {out} "
+          f"--preset tiny; grade it with: python -m pytest tests --stage {out}")
     return out
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "course"))
-from make_exercise import BEGIN, END, replace_regions  # noqa: E402
+from make_exercise import BEGIN, END, link_helpers, replace_regions  # noqa: E402
 
 # (lesson, the step before, the step after, the idea). A step is a file, less the regions of the ideas after " - ".
 LESSONS = [
@@ -158,6 +158,8 @@ def main(argv=None):
                 target = Path(args.files) / file_name(s)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(step(s))
+    if args.files:
+        link_helpers(args.files)  # each step runs as written: torchrun --standalone --nproc_per_node 2 DIR/FILE.py
     print(table())
 
 

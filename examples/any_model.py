@@ -66,12 +66,12 @@ def batch(step, part, n_parts, size, device):
 
 
 def load_engine(path):
-    """The Engine class a stage file defines: the one class in it whose name ends in Engine."""
+    """The Engine class a stage file runs: the last name in it ending in Engine (offload.py's OffloadEngine)."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return next(v for k, v in vars(module).items()
-                if k.endswith("Engine") and isinstance(v, type) and v.__module__ == module.__name__)
+    return [v for k, v in vars(module).items()
+               if k.endswith("Engine") and isinstance(v, type) and v.__module__ == module.__name__][-1]
 
 
 def train(engine, model, args, rank, world_size, device):

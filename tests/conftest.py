@@ -74,6 +74,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
+def pytest_collection_finish(session):
+    """Grading (--stage): first of all, each file's first TODO not done (a `raise NotImplementedError("TODO [...]")`
+    of course/make_exercise.py's still in it), where a student sees it before the checks' failures."""
+    write = session.config.pluginmanager.get_plugin("terminalreporter").write_line
+    for path in session.config.getoption("stage"):
+        todos = [(n, line) for n, line in enumerate(Path(path).read_text().splitlines(), 1)
+                 if "raise NotImplementedError" in line and "TODO [" in line]
+        if todos:
+            n, line = todos[0]
+            todo = line[line.index("TODO ["):].rstrip("')\"")
+            write(f"{path}:{n}: the first TODO not done, of {len(todos)}: {todo}")
+
+
 def pytest_generate_tests(metafunc):
     if "stage_file" in metafunc.fixturenames:
         files = stage_files(metafunc.config)

@@ -39,8 +39,8 @@ from comm import comm
 spec = importlib.util.spec_from_file_location("checked_stage", {script!r})
 stage = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(stage)
-Engine = next(v for k, v in vars(stage).items()
-              if k.endswith("Engine") and isinstance(v, type) and v.__module__ == stage.__name__)
+Engine = [v for k, v in vars(stage).items()
+             if k.endswith("Engine") and isinstance(v, type) and v.__module__ == stage.__name__][-1]
 gathers, done, all_gather = {{}}, [0], comm.all_gather
 
 

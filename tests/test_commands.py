@@ -23,7 +23,7 @@ READMES = ["README.md", "bench/README.md", "tests/README.md", "course/README.md"
 COMMAND = re.compile(r"^(\w+=\S+ )*(python|torchrun|pip|pytest) ")  # an inline code span that is a command
 CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 INSTALL = "pip install -r requirements.txt"
-FIRST = "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 300"
+FIRST = "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 300 --dtype fp32"
 STUDENT = "path/to/student_stage2.py"
 QUIET = ["--sample_chars", "0", "--no_progress", "--eval_every", "1000", "--eval_batches", "1"]
 
@@ -81,6 +81,9 @@ COVERED = {
     "bash tests/gpu_check.sh runs/gpu_check": "tests/test_gpu_check.py::test_gpu_check_without_a_gpu",
     "python course/make_exercise.py stage2.py": "test_make_exercise",
     "python course/make_lessons.py": "test_make_lessons",
+    "python course/make_lessons.py --files steps": "tests/test_course.py::test_steps_and_exercises_run_by_hand",
+    "torchrun --standalone --nproc_per_node 2 steps/offload_without_NVMe.py --preset tiny":
+        "tests/test_course.py::test_steps_and_exercises_run_by_hand",
     # examples/README.md
     "torchrun --standalone --nproc_per_node 2 examples/any_model.py --stage stage2.py":
         "tests/test_any_model.py::test_any_model_matches_the_reference",
@@ -162,10 +165,11 @@ def memory_table(text):
 
 def test_first_command():
     """README.md's first command, 3 steps instead of 300: the table it ends with is README's sample (the peak, which
-    moves from run to run, within 10%). README's sample names its dtype (as --dtype auto chose where it was measured):
-    the run asks for that dtype itself, so the comparison runs on every CPU."""
+    moves from run to run, within 10%). The command names its dtype, so the table is the same on every CPU; README's
+    sample is in that dtype."""
     said = re.search(r"memory per rank, MiB \(stage3, (\w+),", (ROOT / "README.md").read_text()).group(1)
-    out = run(FIRST, "--steps", "3", "--dtype", said, *QUIET)
+    assert FIRST.endswith(f"--dtype {said}"), f"README's first command does not ask for its sample's dtype, {said}"
+    out = run(FIRST, "--steps", "3", *QUIET)
     got = memory_table(out)
     sample = memory_table(re.search(r"ended with:\n\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1))
     assert got[0].startswith("memory per rank") and got[2].split()[0] == "0-1" and got[3].split()[0] == "formula"

@@ -1,6 +1,7 @@
 """The course kit: an exercise made from each stage fails the suite and says what is missing; a stage broken in a
 way students often break it fails with the message that names the mistake; the lessons (a diff per idea) are current,
 apply one after another, and the steps between them train as the stages do. (The stages passing is test_stages.)"""
+import os
 import subprocess
 import sys
 
@@ -44,6 +45,13 @@ def test_exercises_import_and_fail_with_their_todo(tmp_path):
         assert f"test_model_state_bytes_match_formula[{stem}-1]" in out, f"{stem} was not graded:\n{out[-3000:]}"
         assert f"NotImplementedError: TODO [{tag}]" in out, f"the {stem} failure does not name its TODO:\n{out[-3000:]}"
     assert "passed" not in out.splitlines()[-1], f"an exercise passed a check:\n{out[-3000:]}"
+    # the grade's first lines name each file's first TODO not done, before the checks' failures
+    head = out.splitlines()[:len(exercises) + 2]
+    for exercise in exercises:
+        first = next(line for line in exercise.read_text().splitlines() if "raise NotImplementedError" in line)
+        todo = first[first.index("TODO ["):first.index(":", first.index("TODO ["))]
+        named = [ln for ln in head if ln.startswith(f"{exercise}:") and "the first TODO not done" in ln and todo in ln]
+        assert named, f"the grade's first lines do not name {exercise.name}'s first TODO:\n" + "\n".join(head)
 
 
 def test_each_marker_blanks_on_its_own():
@@ -80,6 +88,42 @@ def test_common_mistakes_are_named(tmp_path):
     code, out = grade([summed, kept], tmp_path, "(parity and broken_stage0 and 2) or (freed and broken_stage2 and 2)")
     assert code != 0 and "summed over the ranks, not averaged" in out, out[-3000:]
     assert "memory of the full gradient" in out, out[-3000:]
+
+
+def test_a_copy_without_record_stream_is_named(tmp_path):
+    """Lesson 7's answer less its record_stream passes the suite's runs on the CPU, and at --grad_accum 2 on the fake
+    device (the copy's source, grad_acc, lives on); the grade fails it, naming the missing record_stream."""
+    source = step("offload.py - ZeRO-3 Offload - DPU - NVMe")
+    assert source.count("t.record_stream(self.stream)") == 1, "offload.py's record_stream changed: update this test"
+    path = tmp_path / "answer" / "offload.py"
+    path.parent.mkdir()
+    path.write_text(source.replace("t.record_stream(self.stream)", "pass"))
+    test = f"{ROOT / 'tests' / 'test_ideas.py'}::test_the_idea_is_there[offload-Copy_stream]"
+    cmd = [sys.executable, "-m", "pytest", test, "--stage", str(path), "--lesson", "7_copy_stream", "-q",
+           "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "pytest")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "1 failed" in out, f"the answer without record_stream was not failed:\n{out[-3000:]}"
+    assert "[Copy stream]" in out and "memory freed" in out and "no record_stream" in out, out[-3000:]
+
+
+def test_steps_and_exercises_run_by_hand(tmp_path):
+    """As course/README.md shows them, from the repository root with no PYTHONPATH: a step that make_lessons.py --files
+    wrote trains under torchrun and prints its table; an exercise that make_exercise.py wrote stops at its TODO."""
+    import make_exercise
+    import make_lessons
+    make_lessons.main(["--out", str(tmp_path / "lessons"), "--files", str(tmp_path / "steps")])
+    make_exercise.main([str(ROOT / "stage2.py"), "-o", str(tmp_path / "exercises" / "stage2.py")])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    quiet = ["--preset", "tiny", "--steps", "2", "--no_progress", "--sample_chars", "0", "--eval_batches", "1"]
+    step_run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(tmp_path / "steps" / "offload_without_NVMe.py"), *quiet]
+    p = subprocess.run(step_run, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0 and "memory per rank" in p.stdout, f"the step did not run:\n{(p.stdout + p.stderr)[-3000:]}"
+    exercise = [sys.executable, str(tmp_path / "exercises" / "stage2.py"), *quiet]
+    p = subprocess.run(exercise, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode != 0 and "NotImplementedError: TODO [ZeRO-2]" in p.stderr, (
+        f"the exercise did not stop at its TODO:\n{(p.stdout + p.stderr)[-3000:]}")
 
 
 def test_lessons_are_current_and_apply_in_turn(tmp_path):

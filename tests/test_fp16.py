@@ -58,8 +58,8 @@ else:  # the stage file's engine, and the stage name its main() runs under
     spec = importlib.util.spec_from_file_location("stage_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    Engine = next(v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__
-                  and hasattr(v, "state_pieces"))
+    Engine = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__
+                 and hasattr(v, "state_pieces")][-1]
     stage, distributed = re.search(r'main\\(\\w+, stage="(\\w+)"', open(SCRIPT).read()).group(1), True
 
 

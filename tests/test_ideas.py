@@ -8,7 +8,8 @@ lesson (course/make_lessons.py), so that a step between two lessons is graded as
     Recompute         with --checkpoint_activations it trains as the reference does, sending the formula's bytes
     Offload           the optimizer on the CPU: on the fake CUDA device, the gradient shards go down under backward
                       into pinned memory without blocking the host, and the C++ AdamW steps
-    Copy stream       on the fake CUDA device, the copies between device and host run on a stream of their own
+    Copy stream       on the fake CUDA device at --grad_accum 1 and 2, the copies between device and host run on a
+                      stream of their own, and what they read is not freed under them (record_stream)
     ZeRO-3 Offload    --offload_params: on the fake CUDA device, the all-gathers are issued beside compute
     DPU               --delayed_update: it trains exactly one step stale (test_offload.py's reference)
     NVMe              --offload_optimizer nvme: it trains as the reference does, the host holds no optimizer state, and
@@ -66,15 +67,18 @@ def run_or_fail(idea, call):
         pytest.fail(f"[{idea}] the run for this idea failed: {e}", pytrace=False)
 
 
-def fake_run(idea, stage_file, tmp_path, *options):
-    """The file trained on the fake CUDA device, one rank, --grad_accum 2: its report; failing, naming the idea."""
-    key = (stage_file, options)
+def fake_run(idea, stage_file, tmp_path, *options, grad_accum=2):
+    """The file trained on the fake CUDA device, one rank, at --grad_accum 2 (or grad_accum): its report; failing,
+    naming the idea."""
+    key = (stage_file, options, grad_accum)
     if key not in FAKE:
-        FAKE[key] = audit(tmp_path, stage_file, *options, grad_accum=2, nproc=1)
+        (tmp_path / f"accum{grad_accum}").mkdir()
+        FAKE[key] = audit(tmp_path / f"accum{grad_accum}", stage_file, *options, grad_accum=grad_accum, nproc=1)
     job, reports = FAKE[key]
     findings = [m for r in reports if r for m in r["findings"]]
     if job.returncode != 0 or not reports[0] or findings:
-        pytest.fail(f"[{idea}] on the fake CUDA device{' with ' + ' '.join(options) if options else ''}, the run "
+        flags = " ".join(["--grad_accum", str(grad_accum), *options])
+        pytest.fail(f"[{idea}] on the fake CUDA device with {flags}, the run "
                     f"failed or CUDA would refuse it:\n" + ("\n".join(findings) or output(job)), pytrace=False)
     return reports[0]["seen"]
 
@@ -120,9 +124,12 @@ def check_offload(idea, stage_file, tmp_path, **_):
 
 
 def check_copy_stream(idea, stage_file, tmp_path, **_):
-    seen = fake_run(idea, stage_file, tmp_path)
-    assert seen.get("device-host copies on another stream"), (
-        f"[{idea}] every copy between device and host ran on the compute stream: no copy stream ({seen})")
+    # at --grad_accum 1 too: there a copy's source is the bucket's reduced shard, freed under the copy (record_stream);
+    # at 2 it is grad_acc, which lives on
+    for grad_accum in (1, 2):
+        seen = fake_run(idea, stage_file, tmp_path, grad_accum=grad_accum)
+        assert seen.get("device-host copies on another stream"), (
+            f"[{idea}] every copy between device and host ran on the compute stream: no copy stream ({seen})")
 
 
 def check_offload_params(idea, stage_file, tmp_path, **_):

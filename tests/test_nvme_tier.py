@@ -67,6 +67,13 @@ def test_bit_identical_to_the_states_in_memory(runner, tmp_path, case):
     assert d["theory"] == 12 * s["padded_numel"] // nproc
     assert d["theory"] <= d["measured"] < d["theory"] + 4096 * BUCKETS, d
     assert re.search(r"^on disk: the state file [\d.]+ MiB \(formula 12Ψ/N", disk.stdout, re.M), disk.stdout[-2000:]
+    # the run says when its buffers outweigh the states they keep off the host, and only then
+    outweigh = s["model_state_bytes"]["nvme_buffers"]["theory"] > d["theory"]
+    assert ("the tier's buffers" in disk.stdout) == outweigh, (outweigh, disk.stdout[-2000:])
+    # the table's columns are as wide as their headers (nvme_buffers)
+    table = [ln for ln in disk.stdout.splitlines() if re.match(r"^\s+(rank|formula|[\d-]+) \|", ln)]
+    widths = [[len(cell) for cell in ln.split("|")[:-1]] for ln in table]
+    assert all(w == widths[0][:len(w)] for w in widths), "\n".join(table)
 
 
 def test_checkpoints_move_between_the_tiers(runner, reference, tmp_path):
