@@ -151,8 +151,10 @@ class Timeline:
                                      lambda _: setattr(self, "in_backward", False))
         copies = getattr(engine, "copies", None)
         stream = getattr(copies, "stream", None) if self.cuda else None
-        if hasattr(copies, "copy"):  # offload's copies between device and host
-            copies.copy = self._wrap(copies.copy, *self._span("copies", "copy", stream))
+        if hasattr(copies, "copy"):  # offload's copies between device and host, named by where they go
+            down = self._wrap(copies.copy, *self._span("copies", "copy to host", stream))
+            up = self._wrap(copies.copy, *self._span("copies", "copy to device", stream))
+            copies.copy = lambda dst, src: down(dst, src) if dst.device.type == "cpu" else up(dst, src)
         if hasattr(copies, "landed") and not self.cuda:  # the host waiting for copies: a wait, not compute (on a GPU
             # the wait shows as the gap between the kernels on either side of it)
             copies.landed = self._wrap(copies.landed, time.perf_counter,
