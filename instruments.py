@@ -714,8 +714,10 @@ def speed(flops, tokens_per_s, world_size, device, dtype):
 
 def speed_text(s):
     """'1.23 TFLOP/s per rank' and, where the peak is known, its MFU against that peak."""
-    mfu = f" (MFU {s['mfu']:.1%} of the {s['device_name']}'s dense {s['peak_tflops']:g})" if s["mfu"] is not None else ""
-    return f"{s['tflops_per_rank']:.3g} TFLOP/s per rank{mfu}"
+    text = f"{s['tflops_per_rank']:.3g} TFLOP/s per rank"
+    if s["mfu"] is None:
+        return text
+    return text + f" (MFU {s['mfu']:.1%} of the {s['device_name']}'s dense {s['peak_tflops']:g})"
 
 # ----------------------------------------------------------------------------------------------------------
 # What a run shows: progress, then its summary and the per-rank memory table.

@@ -154,7 +154,8 @@ def under_phases(trace, row, phases, name="", begun_in=None):
     for e in events:
         if e["cat"] == "compute" and e["name"].split()[0] not in phases:
             continue
-        if e["cat"] == row and not (e["name"].startswith(name) and (begun_in is None or e["ts"] < ends.get(e["pid"], 0))):
+        begun = begun_in is None or e["ts"] < ends.get(e["pid"], 0)
+        if e["cat"] == row and not (e["name"].startswith(name) and begun):
             continue
         kept.append(e)
     per = overlaps(dict(trace, traceEvents=kept)).get(row, {})

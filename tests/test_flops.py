@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, Runner
-from instruments import flops_per_token, peak_tflops, speed
+from instruments import flops_per_token, peak_tflops, speed, speed_text
 from train_gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -48,6 +48,8 @@ def test_tflops_per_rank_and_mfu(monkeypatch):
         assert peak_tflops(cuda, dtype)[0] == peak, name
         s = speed(1e9, 4e5, 2, cuda, dtype)
         assert s["mfu"] == (pytest.approx(200 / peak) if peak else None), name  # 200 TFLOP/s per rank
+        mfu = f" (MFU {200 / peak:.1%} of the {name}'s dense {peak})" if peak else ""
+        assert speed_text(s) == "200 TFLOP/s per rank" + mfu
 
 
 def test_a_run_reports_tflops(tmp_path):

@@ -270,7 +270,7 @@ def copy_fractions(trace):
 def test_gpu_offload_gradient_copies_mostly_under_backward(gpu_runner):
     hidden, begun = copy_fractions(traced(gpu_runner))
     assert begun >= COPIES_BEGUN_IN_BACKWARD, f"only {begun:.1%} of the gradient-copy time began during backward"
-    assert hidden >= COPIES_UNDER_BACKWARD, f"{hidden:.1%} of the gradient copies begun in backward ran under its kernels"
+    assert hidden >= COPIES_UNDER_BACKWARD, f"{hidden:.1%} of the gradient copies begun in backward ran under it"
 
 
 def test_gpu_delayed_update_mostly_under_forward_and_backward(gpu_runner):
