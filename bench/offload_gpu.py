@@ -24,8 +24,9 @@ where that holds on this GPU and host, every figure beside the paper's as a rati
    ONE run at the largest grad_accum, its TFLOP/s beside the paper's.
 
 Every run is `python <stage file> ... --out run.json` on one rank (the world of one that a plain `python` starts),
-its output in --out_dir. The whole bench keeps within --budget_s seconds: runs go in the order above, but the
-largest models before grad_accum 4, and a run that would start past the budget is not run (its row says so).
+its output in --out_dir. The whole bench keeps within --budget_s seconds: runs go in the order above, but stage 0's
+and offload's largest models before grad_accum 4 and the NVMe tier's last (its state file is written and read every
+step), and a run is stopped at the budget, or not started within 10 s of it (its row says so).
 Output: --out_dir/offload_gpu.json (every run's figures), offload_gpu.md and offload_gpu.png; on a GPU at full size
 also bench/results/offload_gpu.md and .png (results.publish). --smallest writes to --out_dir only: on a CPU or the
 fake CUDA device its numbers are no GPU's (tests/test_offload_gpu.py checks the table's shape there, not its numbers).
@@ -132,7 +133,7 @@ class Estimator:
     def largest(self, row):
         """(depth, the limit one layer more meets): bisection, memory being monotone in depth."""
         if self.limit(row, self.max_layers) is None:
-            return self.max_layers, "--max_layers"
+            return self.max_layers, f"none: the bench stops at {self.max_layers} layers"
         lo, hi = 0, self.max_layers
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -254,12 +255,15 @@ def main(argv=None):
     machine = torch.cuda.get_device_name()
     print(f"offload_gpu: {size['preset']} on {machine}, within {o.budget_s:g} s; runs in {out_dir}", flush=True)
     sweep, summaries = {}, {}
-    # 1-2: the sweep, its second grad_accum (4) last: after the largest models (3)
+    # 1-2: the sweep, its second grad_accum (4) after stage 0's and offload's largest models (3), then the NVMe tier's
+    # (its state file, written and read each step, is the slowest run)
     second = size["accums"][1]
     largest = {}
     for accum in [a for a in size["accums"] if a != second] + [second]:
         if accum == second:
-            largest = largest_models(size, summaries, nvme, out_dir, deadline)
+            largest = estimate_largest(size, summaries, nvme)
+            for name in ("stage0", "offload"):
+                confirm(largest, name, size, nvme, out_dir, deadline)
         for name in ("stage0", "offload", "offload_dpu"):
             key = f"{name}.ga{accum}"
             # offload's runs trace their last step (stage 0 has no copies and no C++ AdamW to place)
@@ -270,6 +274,8 @@ def main(argv=None):
             summaries[key] = s
             fractions = overlap(trace_dir) if s and traced else {}
             sweep[key] = dict(tflops=tflops(s), mfu=s and s["mfu"], note=note, **fractions)
+    if "offload_nvme" in largest:
+        confirm(largest, "offload_nvme", size, nvme, out_dir, deadline)
     first = next(s for s in summaries.values() if s) if any(summaries.values()) else None
     if first is None:
         raise SystemExit("error: no run of the sweep finished: see the logs in " + str(out_dir))
@@ -282,16 +288,16 @@ def main(argv=None):
     draw(result, out_dir / "offload_gpu.png")
     (out_dir / "offload_gpu.md").write_text(body + "\n")
     if not o.smallest:  # a GPU's figures: bench/results/, headed by the machine and the command
-        path = publish("offload_gpu", body + "\n\n![TFLOP/s per GPU](offload_gpu.png)", "bf16", RESULTS)
+        path = publish("offload_gpu", body, "bf16", RESULTS)
         shutil.copyfile(out_dir / "offload_gpu.png", path.with_suffix(".png"))
     if o.nvme_path is None:
         shutil.rmtree(nvme, ignore_errors=True)
     print(f"offload_gpu: {result['seconds']} s; wrote {out_dir / 'offload_gpu.md'} and {out_dir / 'offload_gpu.png'}")
 
 
-def largest_models(size, summaries, nvme, out_dir, deadline):
-    """3: each row's largest depth by the estimator (the activations from the sweep's grad_accum 1 runs), each
-    confirmed by one run."""
+def estimate_largest(size, summaries, nvme):
+    """3: each row's largest depth by the estimator, the activations from the sweep's grad_accum 1 runs ({} where
+    either did not finish)."""
     measured = {stage: summaries.get(f"{stage}.ga{size['accums'][0]}") for stage in ("stage0", "offload")}
     if not all(measured.values()):
         return {}
@@ -302,16 +308,19 @@ def largest_models(size, summaries, nvme, out_dir, deadline):
     for name in ("stage0", "offload", "offload_nvme"):
         depth, limit = estimator.largest(name)
         rows[name] = dict(layers=depth, psi=estimator.params(depth) if depth else 0, limit=limit)
-        if not depth:
-            rows[name]["note"] = "not one layer fits"
-            continue
-        accum = size["accums"][-1]
-        flags = [*depth_flags(size, depth), *train_flags(size, accum), "--steps", "3"]
-        flags += ["--nvme_path", str(nvme)] if name == "offload_nvme" else []
-        s, note = run(f"{name}.largest", flags, out_dir, deadline)
-        rows[name].update(tflops=tflops(s), mfu=s and s["mfu"], note=note)
     return rows
 
+
+def confirm(rows, name, size, nvme, out_dir, deadline):
+    """One run of row `name` at its estimated depth and the sweep's largest grad_accum: its TFLOP/s, or why none."""
+    depth = rows[name]["layers"]
+    if not depth:
+        rows[name]["note"] = "not one layer fits"
+        return
+    flags = [*depth_flags(size, depth), *train_flags(size, size["accums"][-1]), "--steps", "3"]
+    flags += ["--nvme_path", str(nvme)] if name == "offload_nvme" else []
+    s, note = run(f"{name}.largest", flags, out_dir, deadline)
+    rows[name].update(tflops=tflops(s), mfu=s and s["mfu"], note=note)
 
 if __name__ == "__main__":
     main()

@@ -46,3 +46,26 @@ def test_offload_gpu_needs_cuda():
     p = subprocess.run([sys.executable, "bench/offload_gpu.py", "--smallest"], capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=120)
     assert p.returncode == 2 and "trains on a CUDA GPU" in p.stderr.splitlines()[-1], p.stderr
+
+
+def test_the_estimator_by_hand():
+    """The largest depth of gpt2-xl's width each row trains within made-up budgets (80 GB of device, 100 GB of host,
+    40 GB of disk; the activations per layer as a sweep would measure them): the depth fits by the formula and one
+    layer more does not, for the reason the row names. Stage 0 holds 16Ψ on the device, offload 2Ψ there and 12Ψ +
+    the pinned buffers on the host, the NVMe tier 12Ψ on the disk."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import offload_gpu
+    from train_gpt import pinned_theory
+    cfg = dict(block_size=1024, vocab_size=50257, n_head=25, n_embd=1600)
+    other = {"stage0": 250e6, "offload": 100e6}
+    est = offload_gpu.Estimator(cfg, dict(device=80e9, host=100e9, disk=40e9), other, 4096)
+    psi = est.params
+    # gpt2-xl: 48 blocks of 12 x 1600^2 and two LayerNorms, the token and position embeddings, ln_f
+    assert psi(48) == 48 * (12 * 1600**2 + 2 * 1600) + 50257 * 1600 + 1024 * 1600 + 1600 == 1_556_764_800
+    needs = {"stage0": lambda d: 16 * psi(d) + other["stage0"] * d <= 80e9,
+             "offload": lambda d: 2 * psi(d) + other["offload"] * d <= 80e9
+             and 12 * psi(d) + pinned_theory("offload", psi(d), 1, 2) <= 100e9,
+             "offload_nvme": lambda d: 12 * psi(d) <= 40e9}
+    for row, limit in (("stage0", "device memory"), ("offload", "host memory"), ("offload_nvme", "disk")):
+        depth, said = est.largest(row)
+        assert needs[row](depth) and not needs[row](depth + 1) and said.startswith(limit), (row, depth, said)
