@@ -3,7 +3,8 @@ instruments.py: the ledgers and meters every stage is measured with, shared so t
 algorithm: the bytes of the tensors an engine holds and of every live tensor (comm.py counts the bytes each
 collective sends), the peak of live tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
 a timeline of one step (--timeline DIR, for bench/timeline.py), a torch.profiler trace of one (--profile DIR), the
-validation loss, the progress shown, and the end of a run (finish: the report, the files asked for, the exit).
+validation loss, the model FLOPs a run reports (TFLOP/s per rank, and MFU where the GPU's peak is known), the progress
+shown, and the end of a run (finish: the report, the files asked for, the exit).
 A Run (train_gpt.main's `run`) is a training run's bookkeeping: it applies these to the steps main's loop takes, and
 holds what summarize and finish report.
 """

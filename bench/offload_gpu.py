@@ -51,13 +51,17 @@ NAMES = {"stage0": "stage 0", "offload": "offload", "offload_dpu": "offload + DP
 # the sizes: (preset, extra model options, micro-batch sequences, grad_accums, steps, largest depth allowed)
 FULL = dict(preset="gpt2-xl", model=[], micro_batch=4, accums=[1, 4, 16], steps=5, max_layers=4096)
 SMALLEST = dict(preset="tiny", model=["--n_layer", "2"], micro_batch=2, accums=[1, 2], steps=3, max_layers=3)
-DEVICE_SHARE, HOST_SHARE, DISK_SHARE = 0.9, 0.9, 0.8  # of the free memory / disk the estimator may plan to fill
+# what the estimator may plan to fill: shares of the GPU's free memory, the host's available memory and the free disk
+DEVICE_SHARE = 0.9
+HOST_SHARE = 0.9
+DISK_SHARE = 0.8
 
 
 def run(name, flags, out_dir, deadline):
     """One run of a stage file (SCRIPTS[name] + flags) on one rank, its summary or the reason it has none. It is
     stopped at the deadline (time.monotonic())."""
-    out, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
+    out = out_dir / f"{name}.json"
+    log = out_dir / f"{name}.log"
     left = deadline - time.monotonic()
     if left < 10:
         return None, "not run: the time budget (--budget_s) was spent"
@@ -109,7 +113,9 @@ class Estimator:
         from train_gpt import GPTConfig
         self.psi = [n_params(GPTConfig(cfg["block_size"], cfg["vocab_size"], d, cfg["n_head"], cfg["n_embd"]))
                     for d in (1, 2)]
-        self.budgets, self.other_per_layer, self.max_layers = budgets, other_per_layer, max_layers
+        self.budgets = budgets
+        self.other_per_layer = other_per_layer  # bytes of activations and working set per layer, by stage
+        self.max_layers = max_layers
 
     def params(self, depth):
         """Ψ at `depth` layers: linear in depth (bench/largest.py's Prober.params)."""
@@ -165,7 +171,9 @@ def cell(r, paper):
 
 def render(result):
     """The Markdown the bench writes: the sweep, the overlaps, the largest models."""
-    sweep, largest, size = result["sweep"], result["largest"], result["size"]
+    sweep = result["sweep"]
+    largest = result["largest"]
+    size = result["size"]
     s0 = PAPER["stage0"][0]
     off = PAPER["offload"][0]
     lines = [f"TFLOP/s per GPU (model FLOPs, instruments.flops_per_token) at {size['preset']} (Ψ = {result['psi']:,}), "
@@ -211,7 +219,8 @@ def draw(result, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    size, sweep = result["size"], result["sweep"]
+    size = result["size"]
+    sweep = result["sweep"]
     tokens = [a * size["micro_batch"] * result["block_size"] for a in size["accums"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=80)
     for name in ("stage0", "offload", "offload_dpu"):
@@ -254,7 +263,8 @@ def main(argv=None):
     t0 = time.monotonic()
     machine = torch.cuda.get_device_name()
     print(f"offload_gpu: {size['preset']} on {machine}, within {o.budget_s:g} s; runs in {out_dir}", flush=True)
-    sweep, summaries = {}, {}
+    sweep = {}
+    summaries = {}
     # 1-2: the sweep, its second grad_accum (4) after stage 0's and offload's largest models (3), then the NVMe tier's
     # (its state file, written and read each step, is the slowest run)
     second = size["accums"][1]
