@@ -48,7 +48,8 @@ PAPER = {"stage0": (30.0, 1.4e9, "PyTorch"), "offload": (40.0, 10e9, "ZeRO-Offlo
 SCRIPTS = {"stage0": ["stage0_ddp.py"], "offload": ["offload.py"], "offload_dpu": ["offload.py", "--delayed_update"],
            "offload_nvme": ["offload.py", "--offload_optimizer", "nvme"]}
 NAMES = {"stage0": "stage 0", "offload": "offload", "offload_dpu": "offload + DPU", "offload_nvme": "offload + NVMe"}
-# the sizes: (preset, extra model options, micro-batch sequences, grad_accums, steps, largest depth allowed)
+# the sizes: the preset and its model options, the micro-batch in sequences, the grad_accums, the steps of a sweep
+# run, and the most layers the estimator may plan
 FULL = dict(preset="gpt2-xl", model=[], micro_batch=4, accums=[1, 4, 16], steps=5, max_layers=4096)
 SMALLEST = dict(preset="tiny", model=["--n_layer", "2"], micro_batch=2, accums=[1, 2], steps=3, max_layers=3)
 # what the estimator may plan to fill: shares of the GPU's free memory, the host's available memory and the free disk
