@@ -3,7 +3,8 @@ instruments.py: the ledgers and meters every stage is measured with, shared so t
 algorithm: the bytes of the tensors an engine holds and of every live tensor (comm.py counts the bytes each
 collective sends), the peak of live tensor bytes during a step, pinned host memory as PyTorch allocates it, the per-rank memory table a run ends with,
 a timeline of one step (--timeline DIR, for bench/timeline.py), a torch.profiler trace of one (--profile DIR), the
-validation loss, the progress shown, and the end of a run (finish: the report, the files asked for, the exit).
+validation loss, the model FLOPs a run reports (TFLOP/s per rank, and MFU where the GPU's peak is known), the progress
+shown, and the end of a run (finish: the report, the files asked for, the exit).
 A Run (train_gpt.main's `run`) is a training run's bookkeeping: it applies these to the steps main's loop takes, and
 holds what summarize and finish report.
 """
@@ -159,8 +160,10 @@ class Timeline:
                                      lambda _: setattr(self, "in_backward", False))
         copies = getattr(engine, "copies", None)
         stream = getattr(copies, "stream", None) if self.cuda else None
-        if hasattr(copies, "copy"):  # offload's copies between device and host
-            copies.copy = self._wrap(copies.copy, *self._span("copies", "copy", stream))
+        if hasattr(copies, "copy"):  # offload's copies between device and host, named by where they go
+            down = self._wrap(copies.copy, *self._span("copies", "copy to host", stream))
+            up = self._wrap(copies.copy, *self._span("copies", "copy to device", stream))
+            copies.copy = lambda dst, src: down(dst, src) if dst.device.type == "cpu" else up(dst, src)
         if hasattr(copies, "landed") and not self.cuda:  # the host waiting for copies: a wait, not compute (on a GPU
             # the wait shows as the gap between the kernels on either side of it)
             copies.landed = self._wrap(copies.landed, time.perf_counter,
@@ -684,6 +687,60 @@ def memory_table(s, th):
     return "\n".join(lines)
 
 # ----------------------------------------------------------------------------------------------------------
+# Model FLOPs: the TFLOP/s and MFU a run reports.
+
+# Dense peaks in TFLOP/s from NVIDIA's datasheets (H100, H200, A100, V100): the tensor-core figures without sparsity,
+# half the sheets' headline "with sparsity" ones. fp32 is the plain FP32 figure, not TF32's: TF32 stays off here
+# (torch's default, and tests/gpu_check.sh sets NVIDIA_TF32_OVERRIDE=0). The first name contained in the device's
+# name (torch.cuda.get_device_name) is its row: "NVIDIA H100 80GB HBM3" is the SXM card, "NVIDIA H200" the SXM one.
+PEAK_TFLOPS = [
+    ("H200 NVL", dict(bf16=835, fp16=835, fp32=60)),
+    ("H200", dict(bf16=989, fp16=989, fp32=67)),
+    ("H100 NVL", dict(bf16=835, fp16=835, fp32=60)),
+    ("H100 PCIe", dict(bf16=756, fp16=756, fp32=51)),
+    ("H100", dict(bf16=989, fp16=989, fp32=67)),
+    ("A100", dict(bf16=312, fp16=312, fp32=19.5)),
+    ("V100-PCIE", dict(fp16=112, fp32=14)),
+    ("V100", dict(fp16=125, fp32=15.7)),
+]
+
+def flops_per_token(model, cfg):
+    """Model FLOPs of one training step per token, as nanoGPT's estimate_mfu counts them (PaLM, arXiv 2204.02311,
+    appendix B):  6Ψ' + 12·L·H·Q·T.  Ψ' is every parameter but the position embedding (nanoGPT's non-embedding
+    count): each weight matrix costs 2 FLOPs per token in forward and 4 in backward, and the token embedding is the
+    LM head's matrix (tied), while the position embedding is a lookup. 12·L·H·Q·T is attention's QKᵀ and its product
+    with V (L layers, H heads of width Q, T = block_size), forward and backward, over the whole T x T square, as
+    nanoGPT counts it. Left out: LayerNorm, GELU, softmax and the loss (elementwise), the optimizer step, and what
+    --checkpoint_activations runs again (model FLOPs, not the hardware's)."""
+    psi = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    attention = 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
+    return 6 * psi + attention
+
+def peak_tflops(device, dtype):
+    """The device's dense peak for dtype in TFLOP/s (PEAK_TFLOPS), and its name; None where it is not known (a CPU,
+    a GPU not in the table, or fp32 on a card whose table row has no such figure)."""
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device)
+    peaks = next((row for key, row in PEAK_TFLOPS if key in name), {})
+    return peaks.get(dtype), name
+
+def speed(flops, tokens_per_s, world_size, device, dtype):
+    """What a run reports beside tokens/s: model TFLOP/s per rank (the global tokens per second over the ranks) and
+    its MFU, the share of the device's dense peak (None where the peak is not known)."""
+    tflops = flops * tokens_per_s / world_size / 1e12
+    peak, name = peak_tflops(device, dtype)
+    return dict(flops_per_token=flops, tflops_per_rank=tflops, peak_tflops=peak, device_name=name,
+                mfu=tflops / peak if peak else None)
+
+def speed_text(s):
+    """'1.23 TFLOP/s per rank' and, where the peak is known, its MFU against that peak."""
+    text = f"{s['tflops_per_rank']:.3g} TFLOP/s per rank"
+    if s["mfu"] is None:
+        return text
+    return text + f" (MFU {s['mfu']:.1%} of the {s['device_name']}'s dense {s['peak_tflops']:g})"
+
+# ----------------------------------------------------------------------------------------------------------
 # What a run shows: progress, then its summary and the per-rank memory table.
 
 def evaluate(engine, data, args, device):
@@ -743,6 +800,7 @@ class Run:
         self.step_times = []  # seconds, of every step neither measured nor profiled
         self.unread = []  # (loss, grad norm) tensors of the steps since the history was last read
         self.trace = Timeline.start(args.timeline, engine, engine.model, device, rank, stage, step=self.end - 1)
+        self.flops = flops_per_token(engine.model, cfg)  # model FLOPs per token: the TFLOP/s the log and report show
         self.bar = None  # the steps, as steps() shows them
         self.skipped_before = 0  # the steps fp16's scaler had skipped before this one
         # the memory meter's step: step 0 creates Adam's moments, step 1 is the steady state (or a resumed run's first)
@@ -823,6 +881,7 @@ class Run:
         scaler = vars(self.scaler)
         tokens = args.batch_size * self.cfg.block_size
         tok_s = tokens / (self.step_times or [math.inf])[-1]
+        rate = speed(self.flops, tok_s, self.world_size, self.device, args.dtype)
         fp16 = scaler["enabled"]
         if self.rank == 0 and fp16 and scaler["skipped"] > self.skipped_before and not args.no_progress:
             line = (f"{self.stage}: step {step + 1}: the fp16 gradient overflowed (on some rank), so every rank "
@@ -834,14 +893,15 @@ class Run:
         if self.rank == 0 and hasattr(self.bar, "set_postfix"):
             scaling = dict(scale=f"{scaler['scale']:g}", skipped=scaler["skipped"]) if fp16 else {}
             mem = f"{self.measured['peak'] / 2**20:.1f}MiB"
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=mem, **scaling)
+            tflops = f"{rate['tflops_per_rank']:.3g}"
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", tflops=tflops, mem=mem, **scaling)
             if step + 1 == self.end:
                 self.bar.close()
         elif self.rank == 0 and not args.no_progress:
             k = scaler["skipped"] if fp16 else 0
             scaling = f", loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if fp16 else ""
-            print(f"{self.stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s{scaling}",
-                  flush=True)
+            print(f"{self.stage}: step {step + 1}/{args.steps}, loss {loss:.3f}, {tok_s:,.0f} tokens/s, "
+                  f"{speed_text(rate)}{scaling}", flush=True)
 
 def summarize(run):
     """The run's JSON summary (--out): losses, speed, and every ledger beside its formula; rank 0's, and every rank's
@@ -856,12 +916,13 @@ def summarize(run):
     sent = measured["sent"]
     ranks = everyone((measured["states"], measured["peak"], measured["live"], measured["other"]))
     where = measured.get("where")  # measured on a GPU; on a CPU, the plan's (th["host"])
+    tokens_per_s = args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0
     return dict(stage=run.stage, world_size=run.world_size,
                 n_params=sum(p.numel() for p in run.engine.model.parameters()),
                 padded_numel=run.engine.padded_numel, dtype=args.dtype, device=run.device.type, config=vars(cfg),
                 args=vars(args), **history, val_loss=history["val_losses"][-1][1] if history["val_losses"] else None,
                 steps_done=run.end, resumed_from=run.start, unigram_loss=run.data.unigram_loss,
-                tokens_per_s=args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0,
+                tokens_per_s=tokens_per_s, **speed(run.flops, tokens_per_s, run.world_size, run.device, args.dtype),
                 peak_memory_bytes=measured["peak"], live_tensor_bytes=measured["live"], data_bytes=measured["data"],
                 other_tensor_bytes=measured["other"], other_named=measured["named"],
                 workspace_bytes=measured.get("workspace", 0),
@@ -897,7 +958,8 @@ def report(summary, th):
     s, val = summary, f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "-"
     scaler = s.get("loss_scaler") or {}  # fp16's loss scaler: its scale at the end, and the steps it skipped
     k = scaler.get("skipped", 0)
-    print(f"{s['stage']}: val loss {val} (unigram {s['unigram_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s"
+    print(f"{s['stage']}: val loss {val} (unigram {s['unigram_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s, "
+          f"{speed_text(s)}"
           + (f"; fp16 loss scale {scaler['scale']:g}, {k} step{'s' * (k != 1)} skipped" if scaler.get("enabled") else ""))
     print(memory_table(s, th))
     if s.get("activation_checkpoints"):

@@ -401,12 +401,13 @@ def publish_table(args, pairs, results):
 def report(pairs, results):
     """The Markdown table. Besides the ratio of the medians, the median of the per-round (paired) ratios: each round's
     two runs are neighbours in time, so on a shared, noisy machine that pairing cancels slow drifts in load."""
-    lines = ["| pair | ours tokens/s | peer tokens/s | ours/peer | ratio by round (median) | final loss ours | final loss peer |",
-             "|---|---:|---:|---:|---|---:|---:|"]
+    lines = ["| pair | ours tokens/s | peer tokens/s | ours/peer | ratio by round (median) | TFLOP/s per rank ours / peer "
+             "| final loss ours | final loss peer |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
     for s in pairs:
         ours, peer = results[s, "ours"], results[s, "peer"]
         if not ours or not peer:
-            lines.append(f"| {PAIRS[s][4]} | {'failed' if not ours else ''} | {'failed' if not peer else ''} | | | | |")
+            lines.append(f"| {PAIRS[s][4]} | {'failed' if not ours else ''} | {'failed' if not peer else ''} | | | | | |")
             continue
         o = statistics.median(x["tokens_per_s"] for x in ours)
         q = statistics.median(x["tokens_per_s"] for x in peer)
@@ -414,7 +415,10 @@ def report(pairs, results):
         by_round = ", ".join(f"{x:.2f}" for x in ratios) + f" ({statistics.median(ratios):.2f})"
         lo = "/".join(sorted({f"{x['losses'][-1]:.4f}" for x in ours}))
         lq = "/".join(sorted({f"{x['losses'][-1]:.4f}" for x in peer}))
-        lines.append(f"| {PAIRS[s][4]} | {o:,.0f} | {q:,.0f} | {o / q:.3f} | {by_round} | {lo} | {lq} |")
+        # model FLOPs (instruments.flops_per_token) per second per rank, of each side's median run
+        tflops = [statistics.median(x["tflops_per_rank"] for x in side) for side in (ours, peer)]
+        flops = " / ".join(f"{t:.3g}" for t in tflops)
+        lines.append(f"| {PAIRS[s][4]} | {o:,.0f} | {q:,.0f} | {o / q:.3f} | {by_round} | {flops} | {lo} | {lq} |")
     lines += ["", "median over rounds of each run's median step; final loss = last step's training loss (all rounds' "
               "values, deduplicated). Target: ours/peer >= 0.95."]
     text = "\n".join(lines)

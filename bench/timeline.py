@@ -139,6 +139,29 @@ def fraction(over, total):
     return over / total if total else 0.0
 
 
+def under_phases(trace, row, phases, name="", begun_in=None):
+    """(time of `row` overlapped by the compute of `phases`, time in `row`) in microseconds, summed over the ranks:
+    overlaps() with only the compute events whose name begins with one of `phases` ("forward", "backward",
+    "optimizer"), and only the events of `row` whose name begins with `name` and, given begun_in (a phase), begin
+    before that phase's last compute event ends, rank by rank. Offload's gradient copies under backward's kernels:
+    under_phases(trace, "copies", ("backward",), "copy to host")."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ends = {}
+    for e in events:
+        if e["cat"] == "compute" and e["name"].split()[0] == begun_in:
+            ends[e["pid"]] = max(ends.get(e["pid"], e["ts"]), e["ts"] + e["dur"])
+    kept = []
+    for e in events:
+        if e["cat"] == "compute" and e["name"].split()[0] not in phases:
+            continue
+        begun = begun_in is None or e["ts"] < ends.get(e["pid"], 0)
+        if e["cat"] == row and not (e["name"].startswith(name) and begun):
+            continue
+        kept.append(e)
+    per = overlaps(dict(trace, traceEvents=kept)).get(row, {})
+    return sum(o for o, _ in per.values()), sum(t for _, t in per.values())
+
+
 def plot(trace, path, title):
     """One band per rank, a row each for compute, communication (its lanes stacked inside), copies and cpu adam."""
     import matplotlib

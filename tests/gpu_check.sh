@@ -14,8 +14,11 @@
 #   first      README's first command, with the GPU (stage 3, the tiny GPT)
 #   repeat     stage 3 in fp32 and bf16 run twice, and stopped and resumed: which are bit for bit on this GPU
 #   suite      tests/test_gpu.py --gpu: parity with the CUDA reference and the ledgers, every stage and offload mode
-#   overlap    tests/test_gpu.py --gpu -k overlap: copies and gathers beside compute kernels, from profiler traces
+#   overlap    tests/test_gpu.py --gpu -k "overlap or mostly": copies and gathers beside compute kernels, from profiler
+#              traces, and the fractions of offload's copies and delayed update under compute (gpt2, one rank)
 #   timeline   bench/timeline.py on a real trace: stage 3 and offload, one rank
+#   offload_gpu  bench/offload_gpu.py (the ZeRO-Offload paper's headline: TFLOP/s per GPU as the batch and the model
+#              grow), last, within what is left of the script's 8 minutes (TOTAL_S): the rows it has no time for say so
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu_check}"
@@ -91,9 +94,16 @@ if [ $gpu -eq 1 ]; then
   step first 180 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 stage3.py --preset tiny --steps 300
   step repeat 240 bash -c repeat
   step suite 420 "$py" -m pytest tests/test_gpu.py --gpu -q -k "parity or ledgers" -p no:cacheprovider
-  step overlap 300 "$py" -m pytest tests/test_gpu.py --gpu -q -k overlap -p no:cacheprovider
+  step overlap 360 "$py" -m pytest tests/test_gpu.py --gpu -q -k "overlap or mostly" -p no:cacheprovider
   step timeline_stage3 180 "$py" bench/timeline.py stage3.py --nproc 1 --preset small --out "$out/timeline_stage3"
   step timeline_offload 240 "$py" bench/timeline.py offload.py --nproc 1 --preset small --out "$out/timeline_offload"
+  # the bench stops starting runs 30 s before its step's limit (its last run's summary, table and picture after it)
+  left=$((${TOTAL_S:-470} - SECONDS))
+  if [ $left -ge 120 ]; then
+    step offload_gpu $left "$py" bench/offload_gpu.py --budget_s $((left - 30)) --out_dir "$out/offload_gpu"
+  else
+    skip offload_gpu "only $left s left of ${TOTAL_S:-470}: run python bench/offload_gpu.py alone (6 minutes)"
+  fi
 else
   skip first "no CUDA GPU: README's first command runs on the CPU in tests/test_commands.py"
   skip repeat "no CUDA GPU: resume on the CPU is tests/test_checkpoint.py's, bit for bit"
@@ -105,6 +115,7 @@ else
   tiny=(--nproc 2 --preset tiny --n_layer 2 --steps 3 --device cuda)
   step timeline_stage3 300 "${fake[@]}" "$py" bench/timeline.py stage3.py "${tiny[@]}" --out "$out/timeline_stage3"
   step timeline_offload 300 "${fake[@]}" "$py" bench/timeline.py offload.py "${tiny[@]}" --out "$out/timeline_offload"
+  skip offload_gpu "no CUDA GPU: tests/test_offload_gpu.py runs it at its smallest size on the fake device"
 fi
 echo "== summary ($out/summary.txt)"
 cat "$out/summary.txt"

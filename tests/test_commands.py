@@ -71,6 +71,7 @@ COVERED = {
     "python bench/estimate.py --params 7.5e9 --world_size 64 --results": "test_estimate",
     "python bench/bench_nvme.py --results": "tests/test_nvme.py::test_bench_quick",
     "python bench/bench_nvme.py --quick": "tests/test_nvme.py::test_bench_quick",
+    "python bench/offload_gpu.py": "tests/test_offload_gpu.py::test_offload_gpu_smallest_on_the_fake_device",
     # tests/README.md, course/README.md
     f"python -m pytest tests --stage {STUDENT}": "test_grading",
     f'python -m pytest "tests/test_stages.py::test_parity_with_reference[student_stage2-2]" --stage {STUDENT}':

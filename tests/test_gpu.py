@@ -10,6 +10,7 @@ backs it.
 The tolerances below are reasoned, not measured on a GPU (tests/README.md says where this suite has run). If a check
 fails by a small margin, record the differences measured beside the tolerance before widening it."""
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ from conftest import ROOT, STAGES, Runner
 from test_offload import DELAYED_REFERENCE
 from test_stages import BUCKETS, MODEL, TRAIN, compare_params, first_difference
 from train_gpt import host_categories, pinned_theory
+
+sys.path.insert(0, str(ROOT / "bench"))
+import timeline  # noqa: E402  (bench/timeline.py: the overlap fractions bench/offload_gpu.py reports)
 
 CUDA = ["--device", "cuda"]
 GPU_TRAIN = [*TRAIN, "--batch_size", "24"]  # TRAIN's, with a global batch that N x grad_accum divides for N = 1 to 4
@@ -219,3 +223,77 @@ def test_gpu_stage3_prefetch_overlaps_forward(gpu_runner):
         overlapped = [g for g in gathers if concurrent(g, compute_kernels(acts, "forward"))]
         assert bool(overlapped) == expect, (f"stage 3 {' '.join(flags) or 'with prefetch'} on {nproc} GPUs: "
                                             f"{len(overlapped)} of {len(gathers)} all-gathers ran beside forward kernels")
+
+
+# ---- overlap as a fraction, from the Timeline (--timeline: instruments.Timeline, each rank's last step; merged and
+# measured by bench/timeline.py's merge and under_phases, the arithmetic bench/offload_gpu.py reports with): on a GPU
+# its compute row is the compute stream's kernels, each labelled by the forward or backward unit that launched it,
+# and its copies are timed by CUDA events on the copy stream. The gpt2 preset, one rank, bf16.
+#
+# Gradient copies under backward. A block of gpt2 has 7.08M parameters: its bf16 gradient is 14.2 MB, 0.28 ms at the
+# ~50 GB/s a pinned device-to-host copy reaches over PCIe Gen5 x16 (H100/H200 SXM hosts; NVLink-C2C on a GH200 is
+# ~8x faster). Its backward is ~4 x 7.08M FLOPs per token x 6,144 tokens (24 x 256) = 1.8e11 FLOPs: 0.46 ms at 400
+# TFLOP/s, about 40% of an H100's dense bf16 peak. So each block's copy can run under the next block's backward, and
+# only the copies that begin before backward's last kernel ends can hide at all: the tied embedding's gradient (32%
+# of the bytes) is complete only when backward's last kernel is, and the last block's copy has only the embedding's
+# backward to hide under (1/12 of the blocks' bytes). Of the copies begun in backward, then, about 11/12 can be
+# hidden; "mostly" is 3/4 of their time, which leaves room for the gaps between kernels. And since 68% of the bytes
+# are the blocks', at least half the gradient-copy time must begin in backward: a copy issued too late (after
+# backward, or behind a wait for the whole gradient) fails that, instead of dropping out of the fraction.
+COPIES_UNDER_BACKWARD, COPIES_BEGUN_IN_BACKWARD = 0.75, 0.5
+# The C++ AdamW under the next step's forward and backward, with --delayed_update. It moves ~28 bytes per parameter
+# (NOTES: memory-bandwidth bound): 124M parameters are 3.5 GB, 35-70 ms at a 16-core host's 50-100 GB/s (on the H200's
+# host the small preset's 10.8M took 10.1 ms, overheads included: ~120 ms scaled to gpt2, an upper bound). With
+# --grad_accum 16 a step's forward and backward are 6Ψ x 98,304 tokens = 7.3e13 FLOPs: 74 ms even at the 989 TFLOP/s
+# peak, ~180 ms at 40% of it. So the update fits inside them; only the traced step's own update, submitted as the
+# step ends, lies past its last kernel. "Mostly": more than half.
+ADAM_UNDER_FORWARD_BACKWARD = 0.5
+
+
+def traced(gpu_runner, *flags):
+    """offload.py on one GPU with --timeline: the merged trace of its last step."""
+    if gpu_runner.fake:
+        pytest.skip("overlap is measured on a real GPU's timeline (--gpu)")
+    out = gpu_runner.tmp / f"timeline_offload{''.join(flags)}"
+    gpu_runner.run(str(ROOT / "offload.py"), 1, *OVERLAP, *flags, "--timeline", str(out), env=ENV)
+    return timeline.merge(out)
+
+
+def copy_fractions(trace):
+    """(the share of the gradient copies begun in backward that ran under backward's kernels, the share of all
+    gradient-copy time those copies are)."""
+    over, begun = timeline.under_phases(trace, "copies", ("backward",), "copy to host", begun_in="backward")
+    _, total = timeline.under_phases(trace, "copies", ("backward",), "copy to host")
+    return over / begun if begun else 0.0, begun / total if total else 0.0
+
+
+def test_gpu_offload_gradient_copies_mostly_under_backward(gpu_runner):
+    hidden, begun = copy_fractions(traced(gpu_runner))
+    assert begun >= COPIES_BEGUN_IN_BACKWARD, f"only {begun:.1%} of the gradient-copy time began during backward"
+    assert hidden >= COPIES_UNDER_BACKWARD, f"{hidden:.1%} of the gradient copies begun in backward ran under it"
+
+
+def test_gpu_delayed_update_mostly_under_forward_and_backward(gpu_runner):
+    trace = traced(gpu_runner, "--delayed_update", "--grad_accum", "16", "--batch_size", str(24 * 16))
+    over, total = timeline.under_phases(trace, "cpu adam", ("forward", "backward"))
+    assert total, "no C++ AdamW in the traced step"
+    assert over / total >= ADAM_UNDER_FORWARD_BACKWARD, (f"{over / total:.1%} of the C++ AdamW ran under forward's and "
+                                                         f"backward's kernels")
+
+
+def test_overlap_fractions_on_a_made_up_timeline():
+    """The arithmetic the two tests above read, on a trace written by hand (µs): compute of each phase, gradient
+    copies, a copy up and the C++ AdamW, on one rank; runs anywhere."""
+    x = lambda cat, name, ts, dur: dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, pid=0, tid=0)
+    trace = {"traceEvents": [
+        x("compute", "forward blocks.0", 0, 100), x("compute", "backward blocks.0", 100, 50),
+        x("compute", "backward root", 160, 40), x("compute", "optimizer step", 200, 100),
+        x("copies", "copy to host", 120, 40),  # 30 under backward blocks.0, then 10 in the gap [150, 160)
+        x("copies", "copy to host", 200, 60),  # begins as backward's last kernel ends: under none of it
+        x("copies", "copy to device", 280, 20),  # the other way, under the optimizer step: not a gradient copy
+        x("cpu adam", "adam_step", 50, 200)]}  # under forward 50, backward 90; not the optimizer step's 50
+    assert timeline.under_phases(trace, "copies", ("backward",), "copy to host") == (30, 100)
+    assert timeline.under_phases(trace, "copies", ("backward",), "copy to host", begun_in="backward") == (30, 40)
+    assert copy_fractions(trace) == (0.75, 0.4)
+    assert timeline.under_phases(trace, "cpu adam", ("forward", "backward")) == (140, 200)
+    assert timeline.under_phases(trace, "copies", ("forward", "backward", "optimizer")) == (110, 120)  # both ways

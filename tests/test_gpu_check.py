@@ -9,8 +9,9 @@ import subprocess
 
 from conftest import ROOT
 
-STEPS = ["env", "facts", "cpu_adam", "first", "repeat", "suite", "overlap", "timeline_stage3", "timeline_offload"]
-NEED_A_GPU = ["first", "repeat", "overlap"]
+STEPS = ["env", "facts", "cpu_adam", "first", "repeat", "suite", "overlap", "timeline_stage3", "timeline_offload",
+         "offload_gpu"]
+NEED_A_GPU = ["first", "repeat", "overlap", "offload_gpu"]
 
 
 def test_gpu_check_without_a_gpu(tmp_path):
