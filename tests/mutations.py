@@ -194,6 +194,31 @@ SLIPS = {
         "nvme.py", "        return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)\n",
         "        return torch.empty(size, dtype=torch.uint8)\n",
         ["tests/test_nvme.py::test_aligned_buffers"], "aligned() takes the allocator's block, not a page-aligned one"),
+    "nvme_layout_of_equal_buckets": (
+        "nvme.py", "        self.offsets = [sum(self.sizes[:k]) for k in range(len(numels))]\n",
+        "        self.offsets = [k * self.sizes[0] for k in range(len(numels))]\n",
+        ["tests/test_nvme.py::test_disk_states_of_unequal_buckets_through_one_buffer"],
+        "the state file's layout assumes every bucket the first's size (a larger one overlaps the next)"),
+    "train_step_lr_of_the_next_step": (
+        "train_gpt.py", "        grad_norm = engine.step(lr_at(step, args), scaler)",
+        "        grad_norm = engine.step(lr_at(step + 1, args), scaler)",
+        ["tests/test_shared.py::test_train_step_uses_lr_at_of_its_own_step"],
+        "train_step asks the schedule for the next step's lr (warmup's first step skipped, in every stage alike)"),
+    "scaler_doubles_before_the_clip_coef": (
+        "train_gpt.py",
+        "    norm = norm / scaler.scale\n"
+        "    coef = ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)) / scaler.scale\n"
+        "    scaler.update(True)\n",
+        "    scaler.update(True)\n"
+        "    norm = norm / scaler.scale\n"
+        "    coef = ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)) / scaler.scale\n",
+        ["tests/test_fp16.py::test_clip_coef_at_the_scalers_window_divides_by_the_scale_the_gradient_has"],
+        "the loss scale doubles before the clip coefficient divides by it (each window's last step half a gradient)"),
+    "fp16_norm_logged_scaled": (
+        "train_gpt.py", "        grad_norm = engine.step(lr_at(step, args), scaler).double() / scale ",
+        "        grad_norm = engine.step(lr_at(step, args), scaler).double() ",
+        ["tests/test_fp16.py::test_fp16_logs_the_true_gradient_norm"],
+        "fp16's logged gradient norm left multiplied by the loss scale"),
 }
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from nvme import ALIGN, NVMeError, StateFile, aligned, round_up
+from nvme import ALIGN, DiskStates, NVMeError, StateFile, aligned, round_up
 
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_nvme import filesystem  # noqa: E402
@@ -106,6 +106,36 @@ def test_round_trip_is_bit_exact(disk):
     f.wait(f.read(2 * MiB, back))
     assert torch.equal(states, back)
     f.close()
+
+
+def test_disk_states_of_unequal_buckets_through_one_buffer(disk):
+    """DiskStates' layout: bucket k's (master, m, v) from the running sum of the buckets before it, each rounded up to
+    ALIGN, so a bucket larger than the first overlaps none after it; one buffer serves every bucket, each read waiting
+    for the write before it. Written in order, read back out of order, each state a value of its own."""
+    numels = [1000, 5000, 1000]
+    states = DiskStates(disk, "rank0", numels, count=1)
+    try:
+        assert len(states.buffers) == 1 and states.buffers[0].numel() == round_up(12 * 5000)
+        for k in range(len(numels)):
+            for j, view in enumerate(states.buffer(k)):
+                view.fill_(10 * k + j + 1)
+            states.write(k)
+        for k in (1, 0, 2, 1):
+            got = [float(v.min()) for v in states.states(k)] + [float(v.max()) for v in states.states(k)]
+            assert got == [10 * k + j + 1 for j in range(3)] * 2, (
+                f"bucket {k} of {numels}: (master, m, v) read back as {got[:3]}..{got[3:]}, "
+                f"written as {[10 * k + j + 1 for j in range(3)]}: the file's layout overlaps buckets")
+        with open(states.file.path, "rb") as raw:
+            on_disk = raw.read()
+        offset = 0
+        for k, n in enumerate(numels):
+            there = torch.frombuffer(bytearray(on_disk[offset:offset + 12 * n]), dtype=torch.float32).view(3, n)
+            expected = torch.tensor([10 * k + j + 1.0 for j in range(3)]).unsqueeze(1).expand(3, n)
+            assert torch.equal(there, expected), f"bucket {k}'s states are not at offset {offset:,} of the file"
+            offset += round_up(12 * n)
+        assert states.file.nbytes == offset, f"the file holds {states.file.nbytes:,} bytes, the buckets {offset:,}"
+    finally:
+        states.close()
 
 
 def test_short_transfers_go_on(disk, monkeypatch):
