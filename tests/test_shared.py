@@ -1,9 +1,9 @@
 """What every stage's parity shares with the reference, tested on its own: the learning-rate schedule (lr_at: a slip
-there moves the reference and the stages alike, so parity cannot see it) against values written by hand, the lr
-train_step hands each step's engine (lr_at of that step), and the
-meters the ledgers read: the peak meter against a buffer of known size allocated and freed inside the measured
-window, and bench/compare.py's count of runs equal to the formula against summaries that disagree. No run is started:
-each test takes well under a second beside the import of torch."""
+there moves the reference and the stages alike, so parity cannot see it) against values written by hand, and the lr
+train_step hands each step's engine (lr_at of that step); the meters the ledgers read: the peak meter against a
+buffer of known size allocated and freed inside the measured window, and bench/compare.py's count of runs equal to the
+formula against summaries that disagree. No run is started: each test takes well under a second beside the import of
+torch."""
 import json
 import sys
 import types
