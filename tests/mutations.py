@@ -219,6 +219,19 @@ SLIPS = {
         "        grad_norm = engine.step(lr_at(step, args), scaler).double() ",
         ["tests/test_fp16.py::test_fp16_logs_the_true_gradient_norm"],
         "fp16's logged gradient norm left multiplied by the loss scale"),
+    "nvme_host_copy_kept": (
+        "offload.py",
+        "        # a checkpoint's copy of the states in host memory (state_pieces) is not needed any more\n"
+        "        self._hold(None, None, None)\n", "",
+        ["tests/test_nvme_tier.py::test_a_saves_host_copy_of_the_states_goes_at_the_next_update"],
+        "the NVMe tier keeps a checkpoint's host copy of the states (12Ψ/N) for the rest of the run"),
+    "nvme_checkpoint_from_the_buffer": (
+        "offload.py", "                for state, view in zip(held, self.disk.states(k)):\n",
+        "                for state, view in zip(held, self.disk.buffer(k)):\n",
+        ["tests/test_nvme_tier.py::test_checkpoints_move_between_the_tiers",
+         "tests/test_nvme_tier.py::test_a_rank_killed_mid_step_resumes_bit_for_bit",
+         "tests/test_nvme_tier.py::test_a_full_disk_mid_run_stops_with_one_line"],
+        "the NVMe tier's checkpoint reads each bucket's states from its buffer, not from the file"),
 }
 
 
