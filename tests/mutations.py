@@ -207,11 +207,13 @@ SLIPS = {
     "scaler_doubles_before_the_clip_coef": (
         "train_gpt.py",
         "    norm = norm / scaler.scale\n"
-        "    coef = ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)) / scaler.scale\n"
+        "    coef = ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm))"
+        " / scaler.scale\n"
         "    scaler.update(True)\n",
         "    scaler.update(True)\n"
         "    norm = norm / scaler.scale\n"
-        "    coef = ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)) / scaler.scale\n",
+        "    coef = ((max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm))"
+        " / scaler.scale\n",
         ["tests/test_fp16.py::test_clip_coef_at_the_scalers_window_divides_by_the_scale_the_gradient_has"],
         "the loss scale doubles before the clip coefficient divides by it (each window's last step half a gradient)"),
     "fp16_norm_logged_scaled": (
@@ -248,6 +250,26 @@ SLIPS = {
         "        after = order[order.index(b) + 1:]\n",
         ["tests/test_call_patterns.py::test_each_unit_gathered_once_a_call_and_once_for_its_backward"],
         "offload's backward prefetches a unit whose backward is over (gathered again, it stays until the step)"),
+    "largest_nvme_headline_formula": (
+        "bench/largest.py", "        ram, disk = 12 + 2 * param, 2 * param",
+        "        ram, disk = 12 + 2 * param, param",
+        ["tests/test_docs.py::test_largest_headline_states_the_codes_formulas"],
+        "bench/largest.py's NVMe headline divides by the parameters alone (16Ψ against 2Ψ, 8.0x), staging forgotten"),
+    "largest_nvme_headline_wrong_base": (
+        "bench/largest.py", "{get['offload_nvme', 1] / get['offload', 1]:.2f}x",
+        "{get['offload_nvme', 1] / get['offload', 2]:.2f}x",
+        ["tests/test_docs.py::test_published_largest_numbers_follow_their_tables"],
+        "bench/largest.py's NVMe headline measures against offload at N=2"),
+    "readme_nvme_disk_formula": (
+        "README.md", "host 2Ψ/N + buffers, disk 12Ψ/N", "host 2Ψ/N + buffers, disk 16Ψ/N",
+        ["tests/test_docs.py::test_readme_numbers_are_the_codes"], "README's NVMe row puts 16Ψ/N on disk"),
+    "readme_nvme_headline": (
+        "README.md", "3.5x offload's model", "5.3x offload's model",
+        ["tests/test_docs.py::test_readme_numbers_are_the_codes"], "README's NVMe headline not the published result's"),
+    "bench_readme_nvme_ratio": (
+        "bench/README.md", "tier trains 3.49x offload's", "tier trains 3.94x offload's",
+        ["tests/test_docs.py::test_readme_numbers_are_the_codes"],
+        "bench/README.md's sentence on the NVMe tier's result not its table's ratio"),
 }
 
 
