@@ -270,6 +270,18 @@ SLIPS = {
         "bench/README.md", "tier trains 3.49x offload's", "tier trains 3.94x offload's",
         ["tests/test_docs.py::test_readme_numbers_are_the_codes"],
         "bench/README.md's sentence on the NVMe tier's result not its table's ratio"),
+    "checkpoint_rename_before_fsync": (
+        "checkpoint.py", "        os.fsync(f.fileno())  # the bytes are on disk before the name points at them\n", "",
+        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"], "a checkpoint file renamed into place before its bytes are on disk"),
+    "checkpoint_manifest_before_the_shards_rename": (
+        "checkpoint.py", "    if rank == 0:\n        fsync_dir(where)\n", "    if rank == 0:\n",
+        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"], "the manifest named before the shards' renames are on disk"),
+    "checkpoint_manifest_rename_not_synced": (
+        "checkpoint.py", "        fsync_dir(where)\n        # the step directory's", "        # the step directory's",
+        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"], "the manifest's rename never fsynced (a power cut may lose the newest checkpoint)"),
+    "checkpoint_step_directory_not_synced": (
+        "checkpoint.py", "        fsync_dir(ckpt_dir)\n", "",
+        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"], "older checkpoints removed while the new step directory's name may not be on disk yet"),
 }
 
 
