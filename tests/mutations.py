@@ -272,16 +272,37 @@ SLIPS = {
         "bench/README.md's sentence on the NVMe tier's result not its table's ratio"),
     "checkpoint_rename_before_fsync": (
         "checkpoint.py", "        os.fsync(f.fileno())  # the bytes are on disk before the name points at them\n", "",
-        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"], "a checkpoint file renamed into place before its bytes are on disk"),
+        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"],
+        "a checkpoint file renamed into place before its bytes are on disk"),
     "checkpoint_manifest_before_the_shards_rename": (
         "checkpoint.py", "    if rank == 0:\n        fsync_dir(where)\n", "    if rank == 0:\n",
-        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"], "the manifest named before the shards' renames are on disk"),
+        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"],
+        "the manifest named before the shards' renames are on disk"),
     "checkpoint_manifest_rename_not_synced": (
         "checkpoint.py", "        fsync_dir(where)\n        # the step directory's", "        # the step directory's",
-        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"], "the manifest's rename never fsynced (a power cut may lose the newest checkpoint)"),
+        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"],
+        "the manifest's rename never fsynced (a power cut may lose the newest checkpoint)"),
     "checkpoint_step_directory_not_synced": (
         "checkpoint.py", "        fsync_dir(ckpt_dir)\n", "",
-        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"], "older checkpoints removed while the new step directory's name may not be on disk yet"),
+        ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"],
+        "older checkpoints removed while the new step directory's name may not be on disk yet"),
+    "bench_nvme_ratio_verdict_reversed": (
+        "bench/bench_nvme.py", '"met" if r <= GOAL_RATIO', '"met" if r >= GOAL_RATIO',
+        ["tests/test_nvme.py::test_tier_table_arithmetic"],
+        "bench_nvme's step-ratio verdict says met where the goal is missed"),
+    "bench_nvme_bound_min": (
+        "bench/bench_nvme.py", "    bound = max(adam, io)\n", "    bound = min(adam, io)\n",
+        ["tests/test_nvme.py::test_tier_table_arithmetic"],
+        "bench_nvme measures a step's extra cost against the smaller of AdamW and the I/O time"),
+    "bench_nvme_share_of_the_wrong_disk": (
+        "bench/bench_nvme.py", "            share = t[op] / 1e6 / own\n",
+        "            share = t[op] / 1e6 / read_disk\n",
+        ["tests/test_nvme.py::test_tier_table_arithmetic"],
+        "bench_nvme's write bandwidth share taken against the disk's read bandwidth"),
+    "bench_nvme_beyond_forward_backward": (
+        "bench/bench_nvme.py", '(t["step"] - (ram["step"] - adam)) / bound', '(t["step"] - ram["step"]) / bound',
+        ["tests/test_nvme.py::test_tier_table_arithmetic"],
+        "bench_nvme's step less forward and backward subtracts the whole step in RAM"),
 }
 
 

@@ -1,8 +1,10 @@
 """nvme.py, the file I/O of the NVMe tier, and bench/bench_nvme.py: bytes come back bit for bit wherever they were
 written, through O_DIRECT on a disk and buffered where O_DIRECT is refused; every refusal and I/O error is one line
 naming the path (or file, operation and offset) and the bytes; close() waits for what is in flight and removes the
-file; the bench prints its table."""
+file; the bench prints its table, whose ratios, shares and verdicts follow from its own figures (made-up ones, and the
+published bench/results/nvme_tier.md's)."""
 import errno
+import re
 import fcntl
 import os
 import platform
@@ -19,7 +21,7 @@ from conftest import ROOT
 from nvme import ALIGN, DiskStates, NVMeError, StateFile, aligned, round_up
 
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_nvme import filesystem  # noqa: E402
+from bench_nvme import GOAL_BANDWIDTH, GOAL_RATIO, filesystem, tier_table  # noqa: E402
 
 MiB = 1 << 20
 
@@ -315,3 +317,74 @@ def test_bench_quick(tmp_path):
     goals = [v for v in figures.values() if v[1].strip().startswith(("≥", "≤"))]
     assert len(goals) == 5 and all(v[2].strip().startswith(("met", "missed")) for v in goals), goals
     assert (tmp_path / "nvme_tier.png").stat().st_size > 0
+
+
+def figures_of(lines):
+    """A tier table's rows: {the row's name: (its first number, its goal, its verdict)}."""
+    rows = {}
+    for line in lines:
+        if line.startswith("| ") and not line.startswith(("| measured", "|---")):
+            name, value, goal, verdict = [c.strip() for c in line.split("|")[1:5]]
+            rows[name] = (float(re.match(r"[\d,.]+", value).group().replace(",", "")), goal, verdict)
+            share = re.search(r"\((\d+)% of the disk's\)", value)
+            if share:
+                rows[name] += (int(share.group(1)) / 100,)
+    return rows
+
+
+def check_tier_arithmetic(rows, where):
+    """The tier table's ratios and verdicts from its own figures: each step's cost beyond the step in RAM over
+    max(AdamW, I/O time), the NVMe step less forward and backward over the same, each read and write against the disk's
+    own, and each verdict from its goal (the figures are printed to 0.1 ms and whole MB/s: the ratios to that)."""
+    get = lambda start: next(v for k, v in rows.items() if k.startswith(start))
+    read_disk, write_disk = get("disk's own sequential read")[0], get("disk's own sequential write")[0]
+    adam, io = get("C++ AdamW per step")[0], get("I/O time per step")[0]
+    ram, one, three = get("step, states in RAM")[0], get("step, NVMe, 1 buffer")[0], get("step, NVMe, 3 buffers")[0]
+    bound = max(adam, io)
+    expected = {"(step on NVMe, 3 buffers − step in RAM)": (three - ram) / bound,
+                "(step on NVMe, 1 buffer − step in RAM)": (one - ram) / bound,
+                "(step on NVMe, 3 buffers − forward and backward)": (three - (ram - adam)) / bound}
+    for start, ratio in expected.items():
+        value, goal, verdict = get(start)
+        assert abs(value - ratio) <= 0.006 + 0.2 / bound, (
+            f"{where}: {start} reads {value}, its figures give {ratio:.3f}")
+        if goal:
+            assert goal == f"≤ {GOAL_RATIO}" and (verdict == "met") == (value <= GOAL_RATIO), (
+                f"{where}: {start} = {value} against {goal}: the verdict says {verdict!r}")
+    for name, (value, goal, verdict, *_) in rows.items():
+        m = re.match(r"tier's (read|write), (\d) buffers?", name)
+        if not m:
+            continue
+        share = value / (read_disk if m.group(1) == "read" else write_disk)
+        assert abs(rows[name][3] - share) <= 0.006 + 0.5 / min(read_disk, write_disk), (
+            f"{where}: {name}: {value:g} MB/s prints {rows[name][3]:.0%} of the disk's {m.group(1)}, {share:.1%}")
+        if goal:
+            assert (verdict == "met") == (share >= GOAL_BANDWIDTH), (
+                f"{where}: {name} at {share:.0%} of the disk's, against {goal}: the verdict says {verdict!r}")
+
+
+def test_tier_table_arithmetic():
+    """bench_nvme.tier_table from figures made up for it, one goal met and one missed each way: its ratios, shares and
+    verdicts, computed again here."""
+    disk = {1: (700.0, 600.0), 2: (800.0, 650.0)}  # MB/s by thread count: (write, read)
+    run = lambda step, adam, read, write: dict(step=step, adam=adam, read=read * 1e6, write=write * 1e6,
+                                               read_bytes=86e6, write_bytes=86e6, both_s=0.2)
+    best = {"states in RAM": run(0.190, 0.010, 0, 0), "NVMe, 1 buffer": run(0.600, 0.011, 500, 700),
+            "NVMe, 3 buffers": run(0.500, 0.011, 400, 700)}
+    lines = tier_table([disk, disk], 20 << 20, best, dict(n_params=7.1e6, dtype="fp32"), ["--preset", "small"], 2,
+                       "ext4", "/dev/vda", "O_DIRECT")
+    rows = figures_of(lines)
+    check_tier_arithmetic(rows, "tier_table")
+    io = 86e6 / 650e6 + 86e6 / 800e6
+    assert rows["I/O time per step: the step's bytes at the disk's bandwidth"][0] == round(io * 1e3, 1), rows
+    ratio = next(v for k, v in rows.items() if k.startswith("(step on NVMe, 3 buffers − step in RAM)"))
+    assert ratio[0] == round((0.500 - 0.190) / io, 2) and ratio[2].startswith("missed"), ratio
+    read = next(v for k, v in rows.items() if k.startswith("tier's read, 3 buffers"))
+    write = next(v for k, v in rows.items() if k.startswith("tier's write, 3 buffers"))
+    assert read[2].startswith("missed") and write[2] == "met", (read, write)
+
+
+def test_published_tier_table_follows_its_figures():
+    """bench/results/nvme_tier.md: its ratios and verdicts from its own figures."""
+    text = (ROOT / "bench" / "results" / "nvme_tier.md").read_text()
+    check_tier_arithmetic(figures_of(text.splitlines()), "bench/results/nvme_tier.md")
