@@ -191,8 +191,8 @@ SLIPS = {
         ["tests/test_nvme_tier.py::test_bit_identical_to_the_states_in_memory[fp32-N1]"],
         "the state files stay on disk after the run"),
     "nvme_unaligned_buffer": (
-        "nvme.py", "        return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)\n",
-        "        return torch.empty(size, dtype=torch.uint8)\n",
+        "nvme.py", "    return torch.frombuffer(mmap.mmap(-1, round_up(nbytes)), dtype=torch.uint8)\n",
+        "    return torch.empty(round_up(nbytes), dtype=torch.uint8)\n",
         ["tests/test_nvme.py::test_aligned_buffers"], "aligned() takes the allocator's block, not a page-aligned one"),
     "nvme_layout_of_equal_buckets": (
         "nvme.py", "        self.offsets = [sum(self.sizes[:k]) for k in range(len(numels))]\n",
