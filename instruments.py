@@ -638,7 +638,9 @@ def memory_table(s, th):
     if len(rows) > 1 and all(states == per_rank[0] for states in per_rank):
         rows = [(f"0-{len(rows) - 1}", per_rank[0], *[max(values) for values in list(zip(*columns))[1:]])]
     where = f"host: {', '.join(th['host'])}" if th["host"] else "all on the device"
-    lines = [f"memory per rank, MiB ({s['stage']}, {s['dtype']}, {th['formula']}; measured on step 1; {where})",
+    # the step the meter measured, counted from 1 as the log's lines count them
+    lines = [f"memory per rank, MiB ({s['stage']}, {s['dtype']}, {th['formula']}; "
+             f"measured on step {s['measured_step']}; {where})",
              f"{'rank':>8} |" + "".join(f"{c:>9} |" for c in cats)
              + "".join(f"{c:>9} |" for c in ("states", "live", "other")) + f"{'peak':>9}"]
     for name, states, live, other, peak in rows:
@@ -840,7 +842,8 @@ def summarize(run):
                 n_params=sum(p.numel() for p in run.engine.model.parameters()),
                 padded_numel=run.engine.padded_numel, dtype=args.dtype, device=run.device.type, config=vars(cfg),
                 args=vars(args), **history, val_loss=history["val_losses"][-1][1] if history["val_losses"] else None,
-                steps_done=run.end, resumed_from=run.start, unigram_loss=run.data.unigram_loss,
+                steps_done=run.end, resumed_from=run.start, measured_step=run.measure_step + 1,
+                unigram_loss=run.data.unigram_loss,
                 tokens_per_s=args.batch_size * cfg.block_size / timed[len(timed) // 2] if timed else 0.0,
                 peak_memory_bytes=measured["peak"], live_tensor_bytes=measured["live"], data_bytes=measured["data"],
                 other_tensor_bytes=measured["other"], other_named=measured["named"],

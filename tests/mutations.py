@@ -303,6 +303,10 @@ SLIPS = {
         "bench/bench_nvme.py", '(t["step"] - (ram["step"] - adam)) / bound', '(t["step"] - ram["step"]) / bound',
         ["tests/test_nvme.py::test_tier_table_arithmetic"],
         "bench_nvme's step less forward and backward subtracts the whole step in RAM"),
+    "memory_table_step_fixed": (
+        "instruments.py", "measured on step {s['measured_step']}; {where}", "measured on step 1; {where}",
+        ["tests/test_checkpoint.py::test_reference_stop_and_resume_is_exact"],
+        "the memory table names step 1 whichever step its meter measured (a resumed run's, the log's count)"),
 }
 
 

@@ -50,6 +50,10 @@ def test_reference_stop_and_resume_is_exact(runner, reference, tmp_path):
     runner.run(str(ROOT / "train_gpt.py"), None, *MODEL, *TRAIN, *STOP, "--ckpt_dir", ckpt)
     resumed = runner.run(str(ROOT / "train_gpt.py"), None, *MODEL, *TRAIN, "--resume", ckpt)
     assert_same_run(reference, resumed, "train_gpt.py, stopped after step 3 and resumed")
+    # the memory table names the step its meter measured, counted from 1 as the log counts: a fresh run's second (the
+    # first warms up), a resumed run's first
+    for run, step in ((reference, 2), (resumed, 4)):
+        assert f"; measured on step {step}; " in run.stdout, f"the memory table is not of step {step}:\n{run.stdout}"
 
 
 @pytest.fixture(scope="module")
