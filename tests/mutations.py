@@ -307,6 +307,12 @@ SLIPS = {
         "instruments.py", "measured on step {s['measured_step']}; {where}", "measured on step 1; {where}",
         ["tests/test_checkpoint.py::test_reference_stop_and_resume_is_exact"],
         "the memory table names step 1 whichever step its meter measured (a resumed run's, the log's count)"),
+    "grader_stage3_without_recompute": (
+        "tests/test_ideas.py", '"stage3": 5, "offload": 10', '"stage3": 4, "offload": 10',
+        ["tests/test_ideas.py::test_the_graders_own_configuration_is_the_ladders"], "the grader expects stage 3 without its Recompute idea"),
+    "grader_zero2_checks_the_master": (
+        "tests/test_ideas.py", '"ZeRO-2": ("stage2", ["grads"])', '"ZeRO-2": ("stage2", ["master"])',
+        ["tests/test_ideas.py::test_the_graders_own_configuration_is_the_ladders"], "the grader checks ZeRO-2 on the master weights (ZeRO-1's) instead of the gradients"),
 }
 
 
