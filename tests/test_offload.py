@@ -1,5 +1,6 @@
 """offload.py beyond the checks every stage gets (test_stages.py runs those on it too): the parameter shard offloaded
-as well, the one-step-delayed update against a reference that applies each update one step late, and where each
+as well, the one-step-delayed update against a reference that applies each update one step late (and stopped and
+resumed at N = 2, against its straight run), and where each
 model state lives; every device-host copy's host end allocated to be pinned; and a failed background update stopping
 the run. (Stream order, a missing wait among them, is the fake CUDA device's: test_fake_mutations_streams.py.)"""
 import json
@@ -155,6 +156,18 @@ def test_delayed_update_differs_from_exact(runner, reference):
     exact = reference.summary["losses"]
     assert got[0] == pytest.approx(exact[0], abs=LOSS_ATOL)
     assert all(abs(g - e) > 1e-4 for g, e in zip(got[1:], exact[1:])), (got, exact)
+
+
+def test_delayed_update_stopped_and_resumed_at_two_ranks(runner, tmp_path):
+    """--delayed_update at N = 2, stopped after step 3 and resumed: bit for bit the straight run that saves after step
+    3 too (a save lands the update in flight, in both runs alike)."""
+    from test_checkpoint import assert_same_run
+    delayed = [*MODEL, *TRAIN, "--delayed_update"]
+    straight = runner.run(OFFLOAD, 2, *delayed, "--save_every", "3", "--ckpt_dir", str(tmp_path / "straight"))
+    runner.run(OFFLOAD, 2, *delayed, "--stop_after", "3", "--ckpt_dir", str(tmp_path / "stopped"))
+    resumed = runner.run(OFFLOAD, 2, *delayed, "--resume", str(tmp_path / "stopped"))
+    assert resumed.summary["resumed_from"] == 3
+    assert_same_run(straight, resumed, "offload --delayed_update at N=2, stopped after step 3 and resumed")
 
 
 def test_delayed_update_second_gradient_shard_is_in_the_formula(runner):
