@@ -1,8 +1,8 @@
 """offload.py beyond the checks every stage gets (test_stages.py runs those on it too): the parameter shard offloaded
 as well, the one-step-delayed update against a reference that applies each update one step late (and stopped and
-resumed at N = 2, against its straight run), and where each
-model state lives; every device-host copy's host end allocated to be pinned; and a failed background update stopping
-the run. (Stream order, a missing wait among them, is the fake CUDA device's: test_fake_mutations_streams.py.)"""
+resumed at N = 2, against its straight run), and where each model state lives; every device-host copy's host end
+allocated to be pinned; and a failed background update stopping the run. (Stream order, a missing wait among them,
+is the fake CUDA device's: test_fake_mutations_streams.py.)"""
 import json
 import os
 import sys
