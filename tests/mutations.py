@@ -317,6 +317,15 @@ SLIPS = {
         "offload.py", "        # the update in flight lands first (a one-step shift)\n        self._finish_update()\n", "",
         ["tests/test_offload.py::test_delayed_update_stopped_and_resumed_at_two_ranks"],
         "--delayed_update saves while its CPU update is in flight (the checkpoint a step behind, or torn)"),
+    "timeline_rank_overlap_inverted": (
+        "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
+        ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
+        "bench/timeline.py prints each rank's share of a row not under compute as the share under it"),
+    "timeline_all_ranks_of_rank_0": (
+        "bench/timeline.py", "        o, t = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())\n"
+        "        lines.append(f\"{row} overlapped by compute",
+        "        o, t = per[0]\n        lines.append(f\"{row} overlapped by compute",
+        ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"], "bench/timeline.py's all-ranks overlap is rank 0's"),
 }
 
 
