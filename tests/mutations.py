@@ -326,6 +326,12 @@ SLIPS = {
         "        lines.append(f\"{row} overlapped by compute",
         "        o, t = per[0]\n        lines.append(f\"{row} overlapped by compute",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"], "bench/timeline.py's all-ranks overlap is rank 0's"),
+    "save_every_without_ckpt_dir": (
+        "options.py", "    if args.save_every and not args.ckpt_dir:\n", "    if False:\n",
+        ["tests/test_inputs.py::test_checkpoint_options_are_refused_in_one_line"], "--save_every without --ckpt_dir accepted (the run saves nothing, silently)"),
+    "stop_after_zero_accepted": (
+        "options.py", "    if args.stop_after is not None and args.stop_after < 1:\n", "    if False:\n",
+        ["tests/test_inputs.py::test_checkpoint_options_are_refused_in_one_line"], "--stop_after 0 accepted"),
 }
 
 
