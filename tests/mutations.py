@@ -332,6 +332,15 @@ SLIPS = {
     "stop_after_zero_accepted": (
         "options.py", "    if args.stop_after is not None and args.stop_after < 1:\n", "    if False:\n",
         ["tests/test_inputs.py::test_checkpoint_options_are_refused_in_one_line"], "--stop_after 0 accepted"),
+    "comm_fp16_average_after_the_sum": (
+        "comm.py", "            t.div_(dist.get_world_size())\n            return dist.ReduceOp.SUM\n",
+        "            return dist.ReduceOp.SUM\n",
+        ["tests/test_fp16.py::test_fp16_parity_and_ledgers[stage2]"],
+        "fp16 on gloo sums the ranks' gradients where it should average them first"),
+    "comm_all_gather_counted_as_its_input": (
+        "comm.py", '        self._count("all_gather", nbytes(out))\n', '        self._count("all_gather", nbytes(inp))\n',
+        ["tests/test_stages.py::test_communication_bytes_match_formula[stage3-2]"],
+        "the ledger counts an all-gather by its input (one rank's shard), not its output"),
 }
 
 
