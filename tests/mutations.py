@@ -262,13 +262,14 @@ SLIPS = {
         "bench/largest.py's NVMe headline measures against offload at N=2"),
     "readme_nvme_disk_formula": (
         "README.md", "host 2Ψ/N + buffers, disk 12Ψ/N", "host 2Ψ/N + buffers, disk 16Ψ/N",
-        ["tests/test_docs.py::test_readme_numbers_are_the_codes"], "README's NVMe row puts 16Ψ/N on disk"),
+        ["tests/test_readme.py::test_offload_and_nvme_numbers_are_the_codes"], "README's NVMe row puts 16Ψ/N on disk"),
     "readme_nvme_headline": (
         "README.md", "3.5x offload's model", "5.3x offload's model",
-        ["tests/test_docs.py::test_readme_numbers_are_the_codes"], "README's NVMe headline not the published result's"),
+        ["tests/test_readme.py::test_offload_and_nvme_numbers_are_the_codes"],
+        "README's NVMe headline not the published result's"),
     "bench_readme_nvme_ratio": (
         "bench/README.md", "tier trains 3.49x offload's", "tier trains 3.94x offload's",
-        ["tests/test_docs.py::test_readme_numbers_are_the_codes"],
+        ["tests/test_docs.py::test_bench_readme_numbers_are_the_results"],
         "bench/README.md's sentence on the NVMe tier's result not its table's ratio"),
     "checkpoint_rename_before_fsync": (
         "checkpoint.py", "        os.fsync(f.fileno())  # the bytes are on disk before the name points at them\n", "",
@@ -309,12 +310,15 @@ SLIPS = {
         "the memory table names step 1 whichever step its meter measured (a resumed run's, the log's count)"),
     "grader_stage3_without_recompute": (
         "tests/test_ideas.py", '"stage3": 5, "offload": 10', '"stage3": 4, "offload": 10',
-        ["tests/test_ideas.py::test_the_graders_own_configuration_is_the_ladders"], "the grader expects stage 3 without its Recompute idea"),
+        ["tests/test_ideas.py::test_the_graders_own_configuration_is_the_ladders"],
+        "the grader expects stage 3 without its Recompute idea"),
     "grader_zero2_checks_the_master": (
         "tests/test_ideas.py", '"ZeRO-2": ("stage2", ["grads"])', '"ZeRO-2": ("stage2", ["master"])',
-        ["tests/test_ideas.py::test_the_graders_own_configuration_is_the_ladders"], "the grader checks ZeRO-2 on the master weights (ZeRO-1's) instead of the gradients"),
+        ["tests/test_ideas.py::test_the_graders_own_configuration_is_the_ladders"],
+        "the grader checks ZeRO-2 on the master weights (ZeRO-1's) instead of the gradients"),
     "dpu_save_without_landing_the_update": (
-        "offload.py", "        # the update in flight lands first (a one-step shift)\n        self._finish_update()\n", "",
+        "offload.py", "        # the update in flight lands first (a one-step shift)\n        self._finish_update()\n",
+        "",
         ["tests/test_offload.py::test_delayed_update_stopped_and_resumed_at_two_ranks"],
         "--delayed_update saves while its CPU update is in flight (the checkpoint a step behind, or torn)"),
     "timeline_rank_overlap_inverted": (
@@ -325,10 +329,12 @@ SLIPS = {
         "bench/timeline.py", "        o, t = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())\n"
         "        lines.append(f\"{row} overlapped by compute",
         "        o, t = per[0]\n        lines.append(f\"{row} overlapped by compute",
-        ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"], "bench/timeline.py's all-ranks overlap is rank 0's"),
+        ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
+        "bench/timeline.py's all-ranks overlap is rank 0's"),
     "save_every_without_ckpt_dir": (
         "options.py", "    if args.save_every and not args.ckpt_dir:\n", "    if False:\n",
-        ["tests/test_inputs.py::test_checkpoint_options_are_refused_in_one_line"], "--save_every without --ckpt_dir accepted (the run saves nothing, silently)"),
+        ["tests/test_inputs.py::test_checkpoint_options_are_refused_in_one_line"],
+        "--save_every without --ckpt_dir accepted (the run saves nothing, silently)"),
     "stop_after_zero_accepted": (
         "options.py", "    if args.stop_after is not None and args.stop_after < 1:\n", "    if False:\n",
         ["tests/test_inputs.py::test_checkpoint_options_are_refused_in_one_line"], "--stop_after 0 accepted"),
@@ -338,7 +344,8 @@ SLIPS = {
         ["tests/test_fp16.py::test_fp16_parity_and_ledgers[stage2]"],
         "fp16 on gloo sums the ranks' gradients where it should average them first"),
     "comm_all_gather_counted_as_its_input": (
-        "comm.py", '        self._count("all_gather", nbytes(out))\n', '        self._count("all_gather", nbytes(inp))\n',
+        "comm.py", '        self._count("all_gather", nbytes(out))\n',
+        '        self._count("all_gather", nbytes(inp))\n',
         ["tests/test_stages.py::test_communication_bytes_match_formula[stage3-2]"],
         "the ledger counts an all-gather by its input (one rank's shard), not its output"),
 }
