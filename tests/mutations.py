@@ -348,6 +348,11 @@ SLIPS = {
         '        self._count("all_gather", nbytes(inp))\n',
         ["tests/test_stages.py::test_communication_bytes_match_formula[stage3-2]"],
         "the ledger counts an all-gather by its input (one rank's shard), not its output"),
+    "offload_copy_down_every_micro_step": (
+        "offload.py", "        if self.sync:\n            self.copies.copy(self.grad_shard[",
+        "        if True:\n            self.copies.copy(self.grad_shard[",
+        ["tests/test_offload.py::test_one_copy_down_per_bucket_per_step"],
+        "offload copies each micro-step's gradient shard down, not only the last one's sum (the fake device's only)"),
 }
 
 
