@@ -366,7 +366,9 @@ class Timeline:
         for row, spans in self.spans.items():
             for span in spans:  # (an NVMe transfer's span carries its MiB)
                 name, a, b = sec(span)
-                add(name, row, a, b, **(span[4] if len(span) > 4 else {}))
+                args = span[4] if len(span) > 4 else {}
+                # a transfer the step before left in flight is drawn from this step's start, and says so
+                add(name, row, a, b, **args, **({"submitted_before_the_step": True} if a < t0 else {}))
         def row_name(tid):  # "communication 2": its second lane
             base, row = max((base, row) for row, base in self.ROWS.items() if base <= tid)
             return row + (f" {tid - base + 1}" if tid > base else "")

@@ -288,7 +288,7 @@ SLIPS = {
         ["tests/test_checkpoint.py::test_a_save_is_on_disk_before_a_name_points_at_it"],
         "older checkpoints removed while the new step directory's name may not be on disk yet"),
     "bench_nvme_ratio_verdict_reversed": (
-        "bench/bench_nvme.py", '"met" if r <= GOAL_RATIO', '"met" if r >= GOAL_RATIO',
+        "bench/bench_nvme.py", '"met" if round(r, 2) <= GOAL_RATIO', '"met" if round(r, 2) >= GOAL_RATIO',
         ["tests/test_nvme.py::test_tier_table_arithmetic"],
         "bench_nvme's step-ratio verdict says met where the goal is missed"),
     "bench_nvme_bound_min": (
@@ -353,6 +353,19 @@ SLIPS = {
         "        if True:\n            self.copies.copy(self.grad_shard[",
         ["tests/test_offload.py::test_one_copy_down_per_bucket_per_step"],
         "offload copies each micro-step's gradient shard down, not only the last one's sum (the fake device's only)"),
+    "bench_nvme_counts_the_step_befores_transfer": (
+        "bench/bench_nvme.py", '              and not e["args"].get("submitted_before_the_step")]\n', "              ]\n",
+        ["tests/test_nvme.py::test_step_figures_are_the_traced_steps_own"],
+        "bench_nvme counts a write the step before left in flight among the traced step's bytes"),
+    "bench_nvme_verdict_of_the_unrounded_ratio": (
+        "bench/bench_nvme.py", 'ratio_verdict = lambda r: "met" if round(r, 2) <= GOAL_RATIO',
+        'ratio_verdict = lambda r: "met" if r <= GOAL_RATIO',
+        ["tests/test_nvme.py::test_tier_table_arithmetic"],
+        "bench_nvme's verdict says missed beside a ratio printed as the goal itself (1.20 against 1.2)"),
+    "bench_readme_nvme_step_time": (
+        "bench/README.md", "a step with three buffers (249 ms)", "a step with three buffers (294 ms)",
+        ["tests/test_docs.py::test_bench_readme_nvme_tier_sentences_are_its_table"],
+        "bench/README.md's sentence on the NVMe tier's step not its table's"),
 }
 
 

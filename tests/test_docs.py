@@ -184,3 +184,28 @@ def test_bench_readme_numbers_are_the_results():
     assert expected in bench, f"bench/README.md's host formula of offload is not {expected!r}"
     assert f"`--offload_optimizer nvme` ({disk}Ψ/N and three buffers" in bench, (
         f"bench/README.md's host formula of the NVMe tier is not {disk}Ψ/N and three buffers")
+
+
+def test_bench_readme_nvme_tier_sentences_are_its_table():
+    """bench/README.md's sentences on the NVMe tier's published run: each step time, the disk's spread of writes, the
+    range of the 1-buffer transfers' shares of the disk's and the states' MB, as bench/results/nvme_tier.md prints
+    them."""
+    table = (results.RESULTS / "nvme_tier.md").read_text()
+    cell = lambda start: next(ln.split("|")[2].strip() for ln in table.splitlines() if ln.startswith(f"| {start}"))
+    ms = lambda start: f"{float(cell(start).split()[0]):.0f} ms"
+    bench = " ".join((ROOT / "bench" / "README.md").read_text().split())
+    said = re.search(r"the step in RAM took (\d+ ms), the disk's own writes moved between ([\d,]+ and [\d,]+) MB/s "
+                     r".*? a step with three buffers \((\d+ ms)\) came out (slower|faster) than with one \((\d+ ms)\)",
+                     bench)
+    assert said, "bench/README.md's sentence on the NVMe tier's step times is not where it was"
+    three, one = float(ms("step, NVMe, 3 buffers")[:-3]), float(ms("step, NVMe, 1 buffer")[:-3])
+    spread = re.search(r"\(([\d,]+)–([\d,]+) MB/s\)", next(ln for ln in table.splitlines()
+                                                           if ln.startswith("| disk's own sequential write")))
+    expected = (ms("step, states in RAM"), f"{spread.group(1)} and {spread.group(2)}", ms("step, NVMe, 3 buffers"),
+                "slower" if three > one else "faster", ms("step, NVMe, 1 buffer"))
+    assert said.groups() == expected, f"bench/README.md says {said.groups()}; bench/results/nvme_tier.md: {expected}"
+    shares = [int(re.search(r"\((\d+)% of the disk's\)", ln).group(1)) for ln in table.splitlines()
+              if re.match(r"\| tier's (read|write), 1 buffer", ln)]
+    assert f"({min(shares)}% to {max(shares)}% of them)" in bench, f"bench/README.md's range is not {shares}'s"
+    states = re.search(r"the optimizer states ([\d,]+) MB", table).group(1)
+    assert f"{states} MB written and read again within a step" in bench, f"bench/README.md: not the {states} MB"
