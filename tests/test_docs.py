@@ -110,7 +110,8 @@ def test_largest_headline_states_the_codes_formulas(dtype, param_bytes):
     whole = sum(states_per_param("stage0", param_bytes)[0].values())
     states, host, _ = states_per_param("offload", param_bytes)
     device = sum(v for k, v in states.items() if k not in host)
-    ram, disk = host_bytes_per_param(param_bytes, False), host_bytes_per_param(param_bytes, True)
+    ram = host_bytes_per_param(param_bytes, False)
+    disk = host_bytes_per_param(param_bytes, True)
     expected = {"stage 3 at N=4": f": {whole}Ψ against {train_gpt.formula_text('stage3', param_bytes)}, 4x)",
                 "offload at N=1": f": {whole}Ψ against {device}Ψ, {ratio_text(whole / device, 0)})",
                 "offload with the optimizer states on NVMe": f": {ram}Ψ against {disk}Ψ and {largest.NVME_BUFFERS} "
@@ -174,7 +175,8 @@ def test_bench_readme_numbers_are_the_results():
     rows, _ = table_of((results.RESULTS / "largest_host_checkpointed.md").read_text())
     ratio = {r["world_size"]: r["ratio"] for r in rows if r["stage"] == "offload_nvme"}
     bench = " ".join((ROOT / "bench" / "README.md").read_text().split())
-    ram, disk = host_bytes_per_param(2, False), host_bytes_per_param(2, True)
+    ram = host_bytes_per_param(2, False)
+    disk = host_bytes_per_param(2, True)
     expected = (f"the tier trains {ratio[1]:.2f}x offload's parameters at N = 1 and {ratio[2]:.2f}x at N = 2, short "
                 f"of the formula's {ram / disk:g}x")
     assert expected in bench, f"bench/README.md's sentence on the NVMe tier's result is not {expected!r}"
@@ -198,7 +200,8 @@ def test_bench_readme_nvme_tier_sentences_are_its_table():
                      r".*? a step with three buffers \((\d+ ms)\) came out (slower|faster) than with one \((\d+ ms)\)",
                      bench)
     assert said, "bench/README.md's sentence on the NVMe tier's step times is not where it was"
-    three, one = float(ms("step, NVMe, 3 buffers")[:-3]), float(ms("step, NVMe, 1 buffer")[:-3])
+    three = float(ms("step, NVMe, 3 buffers")[:-3])
+    one = float(ms("step, NVMe, 1 buffer")[:-3])
     spread = re.search(r"\(([\d,]+)–([\d,]+) MB/s\)", next(ln for ln in table.splitlines()
                                                            if ln.startswith("| disk's own sequential write")))
     expected = (ms("step, states in RAM"), f"{spread.group(1)} and {spread.group(2)}", ms("step, NVMe, 3 buffers"),

@@ -345,9 +345,13 @@ def check_tier_arithmetic(rows, where):
     max(AdamW, I/O time), the NVMe step less forward and backward over the same, each read and write against the disk's
     own, and each verdict from its goal (the figures are printed to 0.1 ms and whole MB/s: the ratios to that)."""
     get = lambda start: next(v for k, v in rows.items() if k.startswith(start))
-    read_disk, write_disk = get("disk's own sequential read")[0], get("disk's own sequential write")[0]
-    adam, io = get("C++ AdamW per step")[0], get("I/O time per step")[0]
-    ram, one, three = get("step, states in RAM")[0], get("step, NVMe, 1 buffer")[0], get("step, NVMe, 3 buffers")[0]
+    read_disk = get("disk's own sequential read")[0]
+    write_disk = get("disk's own sequential write")[0]
+    adam = get("C++ AdamW per step")[0]
+    io = get("I/O time per step")[0]
+    ram = get("step, states in RAM")[0]
+    one = get("step, NVMe, 1 buffer")[0]
+    three = get("step, NVMe, 3 buffers")[0]
     # a step reads and writes the states once: the I/O time is their bytes at the disk's read and write bandwidths
     states = header_states_mb(rows)
     if states is not None:

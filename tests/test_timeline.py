@@ -284,7 +284,8 @@ def check_overlaps(text, trace, where):
             if said is None:
                 assert total == 0, f"{where}: rank {rank}'s {category} ({total / 1e3:.1f} ms in its trace) not printed"
                 continue
-            ms, share = float(said.group(1)), float(said.group(2))
+            ms = float(said.group(1))
+            share = float(said.group(2))
             under = 100 * both / total if total else 0.0  # (nothing in flight: printed as 0%)
             assert abs(ms - total / 1e3) <= 0.051 and abs(share - under) <= 0.051, (
                 f"{where}: rank {rank} prints {category} {ms} ms, {share}% under compute; its trace gives "
