@@ -366,6 +366,10 @@ SLIPS = {
         "bench/README.md", "a step with three buffers (249 ms)", "a step with three buffers (294 ms)",
         ["tests/test_docs.py::test_bench_readme_nvme_tier_sentences_are_its_table"],
         "bench/README.md's sentence on the NVMe tier's step not its table's"),
+    "timeline_transfer_from_before_unmarked": (
+        "instruments.py", '**({"submitted_before_the_step": True} if a < t0 else {})', "**{}",
+        ["tests/test_timeline.py::test_a_transfer_from_the_step_before_says_so"],
+        "the timeline draws the step before's NVMe write as the step's own (bench_nvme then counts its bytes)"),
 }
 
 

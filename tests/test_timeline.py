@@ -168,6 +168,20 @@ def test_cpu_compute_leaves_out_host_waits_and_adam(tmp_path):
     assert close(rows["cpu adam"], [("adam_step", 0.6, 0.8)]), rows["cpu adam"]
 
 
+def test_a_transfer_from_the_step_before_says_so(tmp_path):
+    """The NVMe tier's write the step before left in flight is drawn from the step's start, with its bytes, and marked
+    as submitted before the step (bench/bench_nvme.py counts a step's own transfers only); one the step submitted is
+    not."""
+    t = Timeline.__new__(Timeline)  # the row-making part alone: no model, no engine
+    t.out_dir, t.rank, t.stage, t.step, t.cuda = str(tmp_path), 0, "offload", 0, False
+    t.segments, t.calls, t.waits, t.collectives = [("optimizer step", 0.0, 1.0)], [], [], []
+    t.spans = {"nvme writes": [["write", -0.2, 0.1, False, dict(MiB=20.0)], ["write", 0.5, 0.7, False, dict(MiB=1.0)]]}
+    t._write(0.0, 1.0)
+    events = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    writes = [(e["ts"], e["args"]) for e in events if e.get("cat") == "nvme writes"]
+    assert writes == [(0.0, dict(MiB=20.0, submitted_before_the_step=True)), (500000.0, dict(MiB=1.0))], writes
+
+
 def profile_trace():
     """A hand-made torch.profiler Chrome trace (microseconds; its anchor's middle, 1001 us, is the host's 0.5 s): in
     forward two kernels that touch and one after a gap, in step one kernel, then the host waits for the GPU
