@@ -104,6 +104,8 @@ def save_checkpoint(ckpt_dir, engine, step, meta, device):
         manifest = dict(format=1, step=step, world_size=world_size, shards=shards, **meta)
         atomic_write(os.path.join(where, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         fsync_dir(where)
+        # the step directory's own name, before older checkpoints go (a power cut must leave one of them)
+        fsync_dir(ckpt_dir)
         for old in complete_checkpoints(ckpt_dir)[:-KEEP]:  # only now that this one is complete
             shutil.rmtree(old, ignore_errors=True)
     return where

@@ -377,7 +377,9 @@ class Timeline:
         for row, spans in self.spans.items():
             for span in spans:  # (an NVMe transfer's span carries its MiB)
                 name, a, b = sec(span)
-                add(name, row, a, b, **(span[4] if len(span) > 4 else {}))
+                args = span[4] if len(span) > 4 else {}
+                # a transfer the step before left in flight is drawn from this step's start, and says so
+                add(name, row, a, b, **args, **({"submitted_before_the_step": True} if a < t0 else {}))
         def row_name(tid):  # "communication 2": its second lane
             base, row = max((base, row) for row, base in self.ROWS.items() if base <= tid)
             return row + (f" {tid - base + 1}" if tid > base else "")
@@ -649,9 +651,11 @@ def memory_table(s, th):
     if len(rows) > 1 and all(states == per_rank[0] for states in per_rank):
         rows = [(f"0-{len(rows) - 1}", per_rank[0], *[max(values) for values in list(zip(*columns))[1:]])]
     where = f"host: {', '.join(th['host'])}" if th["host"] else "all on the device"
-    # each column as wide as its header (nvme_buffers), at least 9
+    # each column as wide as its header (nvme_buffers), at least 9; the step the meter measured, counted from 1 as the
+    # log's lines count them
     width = {c: max(9, len(c) + 1) for c in cats}
-    lines = [f"memory per rank, MiB ({s['stage']}, {s['dtype']}, {th['formula']}; measured on step 1; {where})",
+    lines = [f"memory per rank, MiB ({s['stage']}, {s['dtype']}, {th['formula']}; "
+             f"measured on step {s['measured_step']}; {where})",
              f"{'rank':>8} |" + "".join(f"{c:>{width[c]}} |" for c in cats)
              + "".join(f"{c:>9} |" for c in ("states", "live", "other")) + f"{'peak':>9}"]
     for name, states, live, other, peak in rows:
@@ -921,7 +925,8 @@ def summarize(run):
                 n_params=sum(p.numel() for p in run.engine.model.parameters()),
                 padded_numel=run.engine.padded_numel, dtype=args.dtype, device=run.device.type, config=vars(cfg),
                 args=vars(args), **history, val_loss=history["val_losses"][-1][1] if history["val_losses"] else None,
-                steps_done=run.end, resumed_from=run.start, unigram_loss=run.data.unigram_loss,
+                steps_done=run.end, resumed_from=run.start, measured_step=run.measure_step + 1,
+                unigram_loss=run.data.unigram_loss,
                 tokens_per_s=tokens_per_s, **speed(run.flops, tokens_per_s, run.world_size, run.device, args.dtype),
                 peak_memory_bytes=measured["peak"], live_tensor_bytes=measured["live"], data_bytes=measured["data"],
                 other_tensor_bytes=measured["other"], other_named=measured["named"],

@@ -49,21 +49,11 @@ def nvme_theory(states, world_size, buffer_count, largest_bucket):
     return kept, sum(states[k] for k in ON_DISK)
 
 
-def aligned(nbytes, pin=False):
+def aligned(nbytes):
     """A uint8 CPU tensor of nbytes rounded up to ALIGN whose data_ptr is a multiple of ALIGN: a buffer O_DIRECT can
-    read into and write from. pin=True: page-locked, for copies to and from a GPU (only with CUDA)."""
-    size = round_up(nbytes)
-    if not pin:
-        # An anonymous mapping starts on a page and is exactly its size (the tensor keeps the mapping alive).
-        return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
-    # PyTorch's pinned-memory cache rounds each allocation up to a power of two, so ALIGN bytes more could double a
-    # pinned buffer: over-allocate only where the exact size is not aligned already.
-    raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    if raw.data_ptr() % ALIGN == 0:
-        return raw
-    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip:skip + size]
+    read into and write from. An anonymous mapping starts on a page and is exactly its size (the tensor keeps the
+    mapping alive)."""
+    return torch.frombuffer(mmap.mmap(-1, round_up(nbytes)), dtype=torch.uint8)
 
 
 def gib(nbytes):

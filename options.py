@@ -86,8 +86,10 @@ def _check(args, world_size):
     if args.batch_size % (world_size * args.grad_accum):
         raise SystemExit(f"error: --batch_size {args.batch_size} is not divisible by world_size {world_size} x "
                          f"--grad_accum {args.grad_accum}; use a multiple of {world_size * args.grad_accum}")
-    if args.save_every < 0 or (args.stop_after is not None and args.stop_after < 1):
-        raise SystemExit("error: --save_every must be 0 or more and --stop_after at least 1")
+    if args.save_every < 0:
+        raise SystemExit(f"error: --save_every {args.save_every}: must be 0 or more (0: save only at the end)")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise SystemExit(f"error: --stop_after {args.stop_after}: must be at least 1")
     if args.save_every and not args.ckpt_dir:
         raise SystemExit("error: --save_every needs --ckpt_dir DIR, the directory to save into")
     nvme = getattr(args, "offload_optimizer", "cpu") == "nvme"

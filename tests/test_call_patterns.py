@@ -2,8 +2,9 @@
 this process (a world of one, fp32) against the single-process reference: layers called out of registration order
 and one of them twice (DeepSpeed's SimpleModel), outputs of any structure with non-tensors beside tensors, units
 nested in units, a unit's output that the loss does not use, a weight shared by two units. Each is right to 1e-5 or
-refused with one line that names the fix. Stage 3 and offload are the engines these patterns test; stages 0-2 train
-them too, as any engine must."""
+refused with one line that names the fix; in stage 3 and offload, no unit gathered after backward, and a step's
+all-gathers one per forward call of a unit and one per unit for its backward. Stage 3 and offload are the engines
+these patterns test; stages 0-2 train them too, as any engine must."""
 import argparse
 import dataclasses
 import subprocess
@@ -17,6 +18,7 @@ import torch.nn as nn
 from conftest import ROOT
 from test_any_model import build, parse_args, world_of_one  # noqa: F401 (a fixture)
 from checkpoint import consolidate, gather_master, save_checkpoint, tied_names
+from comm import comm
 from train_gpt import GPT, GPTConfig, Misuse, SingleDeviceEngine, lr_at
 
 WIDTH = 6
@@ -167,6 +169,35 @@ def test_no_unit_stays_gathered_across_step(world_of_one, stage_file):
     train(engine, engine.args, steps=1)
     gathered = [type(b.module).__name__ for b in engine.buckets if b.param.untyped_storage().nbytes()]
     assert not gathered, f"units still gathered after step(): {gathered}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_unit_gathered_once_a_call_and_once_for_its_backward(world_of_one, stage_file, name):
+    """Stage 3's gathers, step by step: a unit is gathered for each forward call of it (freed after each), and once
+    for its backward, where it stays until its gradient is complete; so after backward no unit is gathered, and the
+    all-gathers of a step are the units' forward calls plus the buckets. A unit whose backward is over, gathered again
+    (a prefetch that does not skip it), stays gathered until the step and adds one. (The count of calls is the same
+    on any N: here a world of one.)"""
+    Model, _ = MODELS[name]
+    torch.manual_seed(0)
+    engine, model = build(stage_file, world_of_one, Model())
+    if not hasattr(engine, "param_shard"):
+        pytest.skip("stages 0-2 keep every parameter")
+    calls = []
+    for b in engine.buckets:
+        b.module.register_forward_pre_hook(lambda m, inputs: calls.append(m))
+    for step in range(3):  # the first records the order, the others prefetch by it
+        calls.clear()
+        comm.begin_step()
+        x = torch.randn(5, WIDTH, generator=torch.Generator().manual_seed(step))
+        engine.backward((engine.forward(x) ** 2).mean(), sync=True)
+        gathered = [type(b.module).__name__ for b in engine.buckets if b.param.untyped_storage().nbytes()]
+        assert not gathered, f"{name}, step {step}: units still gathered after backward: {gathered}"
+        expected = len(calls) + len(engine.buckets)
+        engine.step(lr_at(step, engine.args))
+        got = comm.calls["all_gather"]
+        assert got == expected, (f"{name}, step {step}: {got} all-gathers, expected {expected} ({len(calls)} forward "
+                                 f"calls of units, and one backward gather for each of {len(engine.buckets)} buckets)")
 
 
 # ---- refused at build time, in every engine, with one line that names the fix

@@ -2,7 +2,7 @@
 a checkpoint saved by stage 3 on 4 ranks continues under stage 1 on 2; a rank killed mid-step or mid-save costs only
 the steps since the last complete checkpoint; damaged or mismatched checkpoints are refused with a one-line error;
 ranks whose views of the checkpoint directory differ still resume one checkpoint, rank 0's, and refuse together; a
-CPU run touches no CUDA state."""
+save's bytes and renames reach the disk before a name points at them; a CPU run touches no CUDA state."""
 import argparse
 import hashlib
 import json
@@ -50,6 +50,10 @@ def test_reference_stop_and_resume_is_exact(runner, reference, tmp_path):
     runner.run(str(ROOT / "train_gpt.py"), None, *MODEL, *TRAIN, *STOP, "--ckpt_dir", ckpt)
     resumed = runner.run(str(ROOT / "train_gpt.py"), None, *MODEL, *TRAIN, "--resume", ckpt)
     assert_same_run(reference, resumed, "train_gpt.py, stopped after step 3 and resumed")
+    # the memory table names the step its meter measured, counted from 1 as the log counts: a fresh run's second (the
+    # first warms up), a resumed run's first
+    for run, step in ((reference, 2), (resumed, 4)):
+        assert f"; measured on step {step}; " in run.stdout, f"the memory table is not of step {step}:\n{run.stdout}"
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +251,41 @@ def test_cpu_run_leaves_cuda_alone(tmp_path, monkeypatch):
         load_checkpoint(*open_checkpoint(where, cfg, list("abcde")), engine, device)
         assert calls == expected, f"a run on {device.type}: CUDA random state calls {calls}, expected {expected}"
 
+
+
+def test_a_save_is_on_disk_before_a_name_points_at_it(tmp_path, monkeypatch):
+    """What a crash or a power cut may leave: each file's bytes are fsynced before the rename that gives it its name;
+    the shard's rename is on disk (its directory fsynced) before the manifest's name exists, and the manifest's
+    rename and the step directory's own name are fsynced too (before older checkpoints are removed). The calls are
+    recorded in order, by the path each fsynced descriptor names."""
+    import os
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.abspath(src), os.path.abspath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
+    engine = SingleDeviceEngine(GPT(cfg), argparse.Namespace(), torch.device("cpu"))
+    meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[], params={})
+    where = os.path.abspath(save_checkpoint(str(tmp_path), engine, 1, meta, torch.device("cpu")))
+    renames = [i for i, e in enumerate(events) if e[0] == "rename"]
+    assert [Path(events[i][2]).name for i in renames] == ["shard_00000_of_00001.pt", "manifest.json"], events
+    for i in renames:
+        assert ("fsync", events[i][1]) in events[:i], f"{Path(events[i][2]).name} renamed before its bytes were fsynced"
+    shard, manifest = renames
+    assert ("fsync", where) in events[shard + 1:manifest], (
+        "the manifest is named before the shard's rename is on disk (no fsync of the step directory between them)")
+    assert ("fsync", where) in events[manifest + 1:], "the manifest's rename is never fsynced (its directory)"
+    assert ("fsync", str(tmp_path)) in events[manifest + 1:], (
+        "the step directory's name in --ckpt_dir is never fsynced (older checkpoints go while it may yet be lost)")
 
 
 def test_skipped_steps_survive_a_change_of_dtype(tmp_path):

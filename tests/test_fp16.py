@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT
 from test_checkpoint import assert_same_run
 from test_stages import BUCKETS, MODEL, TRAIN, compare_params
+from test_stages import reference  # noqa: F401  (the fixture: the fp32 reference run)
 import train_gpt
 from train_gpt import LossScaler, clip_coef
 
@@ -38,6 +39,9 @@ PAPER = {"stage0": "16Ψ", "stage1": "4Ψ + 12Ψ/N", "stage2": "2Ψ + 14Ψ/N", "
 PAPER_BYTES = {"stage0": lambda n, N: 16 * n, "stage1": lambda n, N: 4 * n + 12 * n // N,
                "stage2": lambda n, N: 2 * n + 14 * n // N, "stage3": lambda n, N: 16 * n // N,
                "offload": lambda n, N: 18 * n // N}
+# fp16's gradient norm against fp32's, the same steps from the same weights: within 3.8e-4 relative over the 6 steps
+# (AMD EPYC Zen 4, AVX-512); a norm left loss-scaled is 2^16 times it, one unscaled twice or by the wrong scale 2x off.
+FP16_NORM_RTOL = 5e-3
 STEP, RANK = 1, 1  # the overflow: an inf in one gradient element of rank 1, on the first micro-step of step 1
 
 # A stage (or the reference) whose engine sets one gradient element to inf at step OVERFLOW_STEP on rank OVERFLOW_RANK
@@ -311,3 +315,27 @@ def test_clip_coef_unscales_exactly_and_skips_above_the_floor():
     scaler.scale = 1.0  # at the floor: an overflow stops the run
     with pytest.raises(train_gpt.NonFiniteGradNorm, match=r"at the loss scale's floor \(1\)"):
         clip_coef(torch.tensor(math.inf, dtype=torch.float64), 1.0, scaler)
+
+
+def test_clip_coef_at_the_scalers_window_divides_by_the_scale_the_gradient_has():
+    """The window's last good step: the gradient was scaled by 2^16, and the factor must unscale by 2^16, while the
+    scaler doubles to 2^17 only for the steps after it (a factor that divided by the doubled scale would apply half the
+    gradient there)."""
+    for true_norm, max_norm in [(0.2, 1.0), (7.3, 1.0), (0.2, 0.0)]:
+        scaler = LossScaler(enabled=True)
+        scaler.good_steps = scaler.window - 1
+        unscaled = clip_coef(torch.tensor(true_norm, dtype=torch.float64), max_norm, LossScaler())
+        coef = clip_coef(torch.tensor(true_norm * 2.0**16, dtype=torch.float64), max_norm, scaler)
+        assert float(coef) == float(unscaled) / 2.0**16, (
+            f"norm {true_norm}, clip {max_norm}, at the window's step: the factor is {float(coef)!r}, "
+            f"{float(unscaled) / 2.0**16 / float(coef):g}x off the gradient's scale 2^16")
+        assert scaler.scale == 2.0**17, f"the window's step done, the scale is {scaler.scale:g}, not 2^17"
+
+
+def test_fp16_logs_the_true_gradient_norm(fp16_reference, reference):
+    """The gradient norm fp16 logs is the true gradient's, unscaled: the fp32 reference's at every step, to fp16's
+    rounding (every other fp16 comparison is against the fp16 reference, which logs through the same line)."""
+    fp16, fp32 = fp16_reference.summary["grad_norms"], reference.summary["grad_norms"]
+    for step, (a, b) in enumerate(zip(fp32, fp16)):
+        assert abs(b - a) <= FP16_NORM_RTOL * a, (
+            f"step {step}: fp16 logs the gradient norm {b:.6g}, fp32 {a:.6g} ({b / a:.4g}x): is it unscaled?")

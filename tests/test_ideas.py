@@ -50,6 +50,23 @@ WHAT = {"ZeRO-1": "the optimizer states are not partitioned", "ZeRO-2": "the gra
 FAKE = {}  # (file, options) -> the fake-device run's (job, reports), once per session
 
 
+def test_the_graders_own_configuration_is_the_ladders():
+    """What the grader believes: each stage holds the ideas of every lesson up to the one that ends in its whole file
+    (course/make_lessons.py's LESSONS), and each ZeRO-k idea shards the categories its stage adds to the stage before
+    it in train_gpt.SHARDED, the formulas' own list."""
+    import train_gpt
+    files = {"stage0": "stage0_ddp.py", "stage1": "stage1.py", "stage2": "stage2.py", "stage3": "stage3.py",
+             "offload": "offload.py"}
+    for stage, file in files.items():
+        ending = [k + 1 for k, (_, _, after, _) in enumerate(LESSONS) if after == file]
+        assert STAGE_IDEAS[stage] == max(ending, default=0), (
+            f"the grader expects {STAGE_IDEAS[stage]} ideas in {file}; the lessons put {max(ending, default=0)} there")
+    before = {"stage1": "stage0", "stage2": "stage1", "stage3": "stage2"}
+    for idea, (stage, categories) in SHARDED.items():
+        adds = set(train_gpt.SHARDED[stage]) - set(train_gpt.SHARDED[before[stage]])
+        assert set(categories) == adds, f"the grader checks {idea} on {categories}; {stage} shards {sorted(adds)} more"
+
+
 def expected_ideas(config, stage_file):
     """The ideas stage_file should hold: --lesson's, or its declared stage's."""
     lesson = config.getoption("lesson")

@@ -78,3 +78,19 @@ def test_help_shows_every_default(script):
     words = r" (?!--)(?![A-Z_]+ )\S"  # then words of help: not the next option, not an option's metavar
     silent = [o for o in options if not re.search(re.escape(o) + metavar + words, text)]
     assert not silent, f"{script} --help says nothing about {silent}"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--save_every", "2"], "error: --save_every needs --ckpt_dir DIR"),
+    (["--save_every=-1", "--ckpt_dir", "runs/ck"], "error: --save_every -1: must be 0 or more"),
+    (["--stop_after", "0"], "error: --stop_after 0: must be at least 1"),
+])
+def test_checkpoint_options_are_refused_in_one_line(args, expected):
+    """The checkpoint options' refusals (options.check_args, in this process: a world of one raises its line): a
+    save with nowhere to go, a negative period, a stop before the first step."""
+    from options import check_args, parse_args
+    from train_gpt import PRESETS, GPTConfig
+    parsed = parse_args(None, PRESETS, GPTConfig, [*TINY, *args])
+    with pytest.raises(SystemExit) as e:
+        check_args(parsed, world_size=1)
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)

@@ -1,8 +1,10 @@
 """nvme.py, the file I/O of the NVMe tier, and bench/bench_nvme.py: bytes come back bit for bit wherever they were
 written, through O_DIRECT on a disk and buffered where O_DIRECT is refused; every refusal and I/O error is one line
 naming the path (or file, operation and offset) and the bytes; close() waits for what is in flight and removes the
-file; the bench prints its table."""
+file; the bench prints its table, whose ratios, shares and verdicts follow from its own figures (made-up ones, and the
+published bench/results/nvme_tier.md's)."""
 import errno
+import re
 import fcntl
 import os
 import platform
@@ -16,10 +18,10 @@ import pytest
 import torch
 
 from conftest import ROOT
-from nvme import ALIGN, NVMeError, StateFile, aligned, round_up
+from nvme import ALIGN, DiskStates, NVMeError, StateFile, aligned, round_up
 
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_nvme import filesystem  # noqa: E402
+from bench_nvme import GOAL_BANDWIDTH, GOAL_RATIO, filesystem, step_figures, tier_table  # noqa: E402
 
 MiB = 1 << 20
 
@@ -106,6 +108,36 @@ def test_round_trip_is_bit_exact(disk):
     f.wait(f.read(2 * MiB, back))
     assert torch.equal(states, back)
     f.close()
+
+
+def test_disk_states_of_unequal_buckets_through_one_buffer(disk):
+    """DiskStates' layout: bucket k's (master, m, v) from the running sum of the buckets before it, each rounded up to
+    ALIGN, so a bucket larger than the first overlaps none after it; one buffer serves every bucket, each read waiting
+    for the write before it. Written in order, read back out of order, each state a value of its own."""
+    numels = [1000, 5000, 1000]
+    states = DiskStates(disk, "rank0", numels, count=1)
+    try:
+        assert len(states.buffers) == 1 and states.buffers[0].numel() == round_up(12 * 5000)
+        for k in range(len(numels)):
+            for j, view in enumerate(states.buffer(k)):
+                view.fill_(10 * k + j + 1)
+            states.write(k)
+        for k in (1, 0, 2, 1):
+            got = [float(v.min()) for v in states.states(k)] + [float(v.max()) for v in states.states(k)]
+            assert got == [10 * k + j + 1 for j in range(3)] * 2, (
+                f"bucket {k} of {numels}: (master, m, v) read back as {got[:3]}..{got[3:]}, "
+                f"written as {[10 * k + j + 1 for j in range(3)]}: the file's layout overlaps buckets")
+        with open(states.file.path, "rb") as raw:
+            on_disk = raw.read()
+        offset = 0
+        for k, n in enumerate(numels):
+            there = torch.frombuffer(bytearray(on_disk[offset:offset + 12 * n]), dtype=torch.float32).view(3, n)
+            expected = torch.tensor([10 * k + j + 1.0 for j in range(3)]).unsqueeze(1).expand(3, n)
+            assert torch.equal(there, expected), f"bucket {k}'s states are not at offset {offset:,} of the file"
+            offset += round_up(12 * n)
+        assert states.file.nbytes == offset, f"the file holds {states.file.nbytes:,} bytes, the buckets {offset:,}"
+    finally:
+        states.close()
 
 
 def test_short_transfers_go_on(disk, monkeypatch):
@@ -285,3 +317,116 @@ def test_bench_quick(tmp_path):
     goals = [v for v in figures.values() if v[1].strip().startswith(("≥", "≤"))]
     assert len(goals) == 5 and all(v[2].strip().startswith(("met", "missed")) for v in goals), goals
     assert (tmp_path / "nvme_tier.png").stat().st_size > 0
+
+
+def header_states_mb(rows):
+    return rows.get("states MB", (None,))[0]
+
+
+def figures_of(lines):
+    """A tier table's rows: {the row's name: (its first number, its goal, its verdict)}; and "states MB": the
+    optimizer states' MB its first line names."""
+    rows = {}
+    for line in lines:
+        said = re.search(r"the optimizer states ([\d,]+) MB, read and written once a step", line)
+        if said:
+            rows["states MB"] = (float(said.group(1).replace(",", "")), "", "")
+        if line.startswith("| ") and not line.startswith(("| measured", "|---")):
+            name, value, goal, verdict = [c.strip() for c in line.split("|")[1:5]]
+            rows[name] = (float(re.match(r"[\d,.]+", value).group().replace(",", "")), goal, verdict)
+            share = re.search(r"\((\d+)% of the disk's\)", value)
+            if share:
+                rows[name] += (int(share.group(1)) / 100,)
+    return rows
+
+
+def check_tier_arithmetic(rows, where):
+    """The tier table's ratios and verdicts from its own figures: each step's cost beyond the step in RAM over
+    max(AdamW, I/O time), the NVMe step less forward and backward over the same, each read and write against the disk's
+    own, and each verdict from its goal (the figures are printed to 0.1 ms and whole MB/s: the ratios to that)."""
+    get = lambda start: next(v for k, v in rows.items() if k.startswith(start))
+    read_disk = get("disk's own sequential read")[0]
+    write_disk = get("disk's own sequential write")[0]
+    adam = get("C++ AdamW per step")[0]
+    io = get("I/O time per step")[0]
+    ram = get("step, states in RAM")[0]
+    one = get("step, NVMe, 1 buffer")[0]
+    three = get("step, NVMe, 3 buffers")[0]
+    # a step reads and writes the states once: the I/O time is their bytes at the disk's read and write bandwidths
+    states = header_states_mb(rows)
+    if states is not None:
+        expected_io = states * 1e3 / read_disk + states * 1e3 / write_disk
+        assert abs(io - expected_io) <= 0.11 + 0.5e3 / read_disk + 0.5e3 / write_disk, (
+            f"{where}: I/O time per step {io} ms; the states' {states} MB read and written at the disk's bandwidth "
+            f"take {expected_io:.1f} ms")
+    bound = max(adam, io)
+    expected = {"(step on NVMe, 3 buffers − step in RAM)": (three - ram) / bound,
+                "(step on NVMe, 1 buffer − step in RAM)": (one - ram) / bound,
+                "(step on NVMe, 3 buffers − forward and backward)": (three - (ram - adam)) / bound}
+    for start, ratio in expected.items():
+        value, goal, verdict = get(start)
+        assert abs(value - ratio) <= 0.006 + 0.2 / bound, (
+            f"{where}: {start} reads {value}, its figures give {ratio:.3f}")
+        if goal:
+            assert goal == f"≤ {GOAL_RATIO}" and (verdict == "met") == (value <= GOAL_RATIO), (
+                f"{where}: {start} = {value} against {goal}: the verdict says {verdict!r}")
+    for name, (value, goal, verdict, *_) in rows.items():
+        m = re.match(r"tier's (read|write), (\d) buffers?", name)
+        if not m:
+            continue
+        share = value / (read_disk if m.group(1) == "read" else write_disk)
+        assert abs(rows[name][3] - share) <= 0.006 + 0.5 / min(read_disk, write_disk), (
+            f"{where}: {name}: {value:g} MB/s prints {rows[name][3]:.0%} of the disk's {m.group(1)}, {share:.1%}")
+        if goal:
+            assert (verdict == "met") == (share >= GOAL_BANDWIDTH), (
+                f"{where}: {name} at {share:.0%} of the disk's, against {goal}: the verdict says {verdict!r}")
+
+
+def test_tier_table_arithmetic():
+    """bench_nvme.tier_table from figures made up for it, goals met and missed (one ratio just past its goal, met as
+    printed): its ratios, shares and verdicts, computed again here."""
+    disk = {1: (700.0, 600.0), 2: (800.0, 650.0)}  # MB/s by thread count: (write, read)
+    run = lambda step, adam, read, write: dict(step=step, adam=adam, read=read * 1e6, write=write * 1e6,
+                                               read_bytes=86e6, write_bytes=86e6, both_s=0.2)
+    # the 3-buffer step 1.2045 x max(AdamW, I/O) beyond the step in RAM: printed 1.20, so met; less forward and
+    # backward 1.246, missed
+    best = {"states in RAM": run(0.190, 0.010, 0, 0), "NVMe, 1 buffer": run(0.600, 0.011, 500, 700),
+            "NVMe, 3 buffers": run(0.47885, 0.011, 400, 700)}
+    lines = tier_table([disk, disk], 20 << 20, best, dict(n_params=7.1e6, dtype="fp32"), ["--preset", "small"], 2,
+                       "ext4", "/dev/vda", "O_DIRECT")
+    rows = figures_of(lines)
+    check_tier_arithmetic(rows, "tier_table")
+    io = 86e6 / 650e6 + 86e6 / 800e6
+    assert rows["I/O time per step: the step's bytes at the disk's bandwidth"][0] == round(io * 1e3, 1), rows
+    ratio = next(v for k, v in rows.items() if k.startswith("(step on NVMe, 3 buffers − step in RAM)"))
+    assert ratio[0] == round((0.47885 - 0.190) / io, 2) == 1.2 and ratio[2] == "met", ratio
+    beyond = next(v for k, v in rows.items() if k.startswith("(step on NVMe, 3 buffers − forward and backward)"))
+    assert beyond[2] == f"missed: {beyond[0] / GOAL_RATIO:.2f}x the goal", beyond
+    read = next(v for k, v in rows.items() if k.startswith("tier's read, 3 buffers"))
+    write = next(v for k, v in rows.items() if k.startswith("tier's write, 3 buffers"))
+    assert read[2].startswith("missed") and write[2] == "met", (read, write)
+
+
+def test_step_figures_are_the_traced_steps_own():
+    """bench_nvme's figures of a traced step, from a made-up trace: the bytes and time in flight of the transfers the
+    step submitted; a write the step before left in flight (drawn from before the step began) is not the step's."""
+    span = lambda cat, ts, dur, mib, **more: dict(ph="X", cat=cat, name=cat, pid=0, ts=ts, dur=dur,
+                                                  args=dict(MiB=mib, **more))
+    trace = dict(otherData=dict(window_us=[[0.0, 1000.0]]), traceEvents=[
+        # the step before's last write, still in flight as this one began: drawn from the step's start
+        span("nvme writes", 0.0, 100.0, 20.0, submitted_before_the_step=True),
+        span("nvme reads", 100.0, 200.0, 10.0), span("nvme writes", 250.0, 150.0, 10.0),
+        span("nvme reads", 300.0, 300.0, 20.0), span("nvme writes", 600.0, 300.0, 20.0),
+        span("cpu adam", 320.0, 100.0, 0.0)])
+    summary = dict(args=dict(batch_size=2), config=dict(block_size=64), tokens_per_s=128.0)
+    got = step_figures(trace, summary)
+    assert got["read_bytes"] == got["write_bytes"] == 30 * 2**20, (
+        f"the step's reads {got['read_bytes'] / 2**20:g} MiB and writes {got['write_bytes'] / 2**20:g} MiB: 30 each")
+    assert got["write_s"] == pytest.approx(450e-6) and got["read_s"] == pytest.approx(500e-6), got
+    assert got["both_s"] == pytest.approx(800e-6) and got["adam"] == pytest.approx(100e-6) and got["step"] == 1.0, got
+
+
+def test_published_tier_table_follows_its_figures():
+    """bench/results/nvme_tier.md: its ratios and verdicts from its own figures."""
+    text = (ROOT / "bench" / "results" / "nvme_tier.md").read_text()
+    check_tier_arithmetic(figures_of(text.splitlines()), "bench/results/nvme_tier.md")

@@ -2,15 +2,19 @@
 memory: the same C++ AdamW on the same numbers in the same order, so every loss, gradient norm and final weight is
 bit-identical, at N = 1 and 2, in fp32, bf16 and fp16, with --offload_params, --delayed_update, --grad_accum 2 and
 every buffer count's overlap. The memory table measures the tier (the state file's size on disk, the host buffers
-instead of the states); the files are gone at the end; checkpoints move between the tiers; a run killed mid-step, or
-one whose disk fills up mid-run, resumes from its last checkpoint bit for bit; a disk that fails one rank stops every
-rank with that rank's line; bad paths get one line."""
+instead of the states); the files are gone at the end; a checkpoint's host copy of the states goes at the next
+update; checkpoints move between the tiers; a run killed mid-step, or one whose disk fills up mid-run, resumes from its
+last checkpoint bit for bit (those with fewer buffers than buckets); a disk that fails one rank stops every rank with
+that rank's line; bad paths get one line."""
 import os
 import re
 
 import pytest
+import torch
 
 from conftest import ROOT
+from instruments import unlisted
+from test_any_model import any_model, loss_of, parse_args, world_of_one  # noqa: F401 (a fixture)
 from test_checkpoint import assert_same_run
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference
 from test_stages import reference  # noqa: F401  (the fixture: the single-process reference run)
@@ -30,8 +34,16 @@ def with_options(options):
     return train + options
 
 
-def nvme(path):
-    return ["--offload_optimizer", "nvme", "--nvme_path", str(path)]
+def nvme(path, buffers=None):
+    """The NVMe tier's options; `buffers`: its --nvme_buffer_count (default 3, one per bucket of MODEL)."""
+    count = ["--nvme_buffer_count", str(buffers)] if buffers is not None else []
+    return ["--offload_optimizer", "nvme", "--nvme_path", str(path), *count]
+
+
+# Fewer buffers than buckets: bucket 2 passes through bucket 0's buffer, so what a buffer holds after a step is not each
+# bucket's states, and a checkpoint or a resume that read a buffer in place of the file would save or train on another
+# bucket's (with a buffer per bucket each bucket's states never leave their buffer, and such a slip passes).
+FEWER = BUCKETS - 1
 
 
 CASES = {
@@ -84,7 +96,7 @@ def test_checkpoints_move_between_the_tiers(runner, reference, tmp_path):
     straight = runner.run(OFFLOAD, 2, *MODEL, *train)
     first, second = tmp_path / "first", tmp_path / "second"
     runner.run(OFFLOAD, 2, *MODEL, *train, "--stop_after", "2", "--ckpt_dir", str(first))
-    runner.run(OFFLOAD, 2, *MODEL, *train, *nvme(tmp_path), "--resume", str(first), "--stop_after", "4",
+    runner.run(OFFLOAD, 2, *MODEL, *train, *nvme(tmp_path, FEWER), "--resume", str(first), "--stop_after", "4",
                "--ckpt_dir", str(second))
     assert not list(tmp_path.glob("*.states")), "the NVMe leg left its state files"
     last = runner.run(OFFLOAD, 2, *MODEL, *train, "--resume", str(second), "--ckpt_dir", str(tmp_path / "last"))
@@ -98,18 +110,44 @@ def test_checkpoints_move_between_the_tiers(runner, reference, tmp_path):
     compare_params(reference.master, other.master, "stage 3 on 1 rank, resumed from offload on NVMe on 2")
 
 
+def test_a_saves_host_copy_of_the_states_goes_at_the_next_update(world_of_one, tmp_path):
+    """A checkpoint reads the states from the file into host memory (state_pieces); the next update drops that copy:
+    after it the engine holds no master or Adam moment in host memory, only the tier's buffers (a copy kept would be
+    the 12Ψ/N the tier exists to save). In this process, a world of one."""
+    import offload
+    args = parse_args(offload.OffloadEngine, [*nvme(tmp_path), "--nvme_buffer_count", "2"])
+    engine = offload.OffloadEngine(any_model.SetClassifier(), args, world_of_one)
+
+    def states_held():
+        listed = sum(engine.model_states().values(), [])
+        return {path: n for path, n in unlisted(engine, listed, world_of_one).items()
+                if "master" in path or "exp_avg" in path}
+
+    for step in range(3):
+        engine.backward(loss_of(engine, step), sync=True)
+        engine.step(1e-3)
+        if step == 0:
+            assert not states_held(), f"before any save, the host holds optimizer states: {states_held()}"
+            engine.state_pieces()  # what a save reads
+            # (the check sees a copy where there is one)
+            assert sum(states_held().values()) == 3 * 4 * engine.padded_numel, states_held()
+    engine.close()
+    assert not states_held(), (f"two updates after a save, the host still holds its copy of the optimizer states: "
+                               f"{states_held()}")
+
+
 def test_a_rank_killed_mid_step_resumes_bit_for_bit(runner, tmp_path):
     """Rank 1 SIGKILLed at its 9th backward (step 5's first micro-step, after the step-4 save): resumed, on NVMe
     again, the run equals the uninterrupted one."""
     ckpt = tmp_path / "ckpt"
     env = {"PYTHONPATH": f"{ROOT / 'tests' / 'kill_point'}:{ROOT}", "KILL_RANK": "1", "KILL_AT": "backward:9"}
-    p = runner.launch(OFFLOAD, 2, *MODEL, *TRAIN, *nvme(tmp_path), "--save_every", "2", "--ckpt_dir", str(ckpt),
+    p = runner.launch(OFFLOAD, 2, *MODEL, *TRAIN, *nvme(tmp_path, FEWER), "--save_every", "2", "--ckpt_dir", str(ckpt),
                       env=env)
     assert p.returncode != 0 and ("SIGKILL" in p.stderr or "Signal 9" in p.stderr), p.stderr[-2000:]
     straight = runner.run(OFFLOAD, 2, *MODEL, *TRAIN)
     again = tmp_path / "again"
     again.mkdir()
-    resumed = runner.run(OFFLOAD, 2, *MODEL, *TRAIN, *nvme(again), "--resume", str(ckpt))
+    resumed = runner.run(OFFLOAD, 2, *MODEL, *TRAIN, *nvme(again, FEWER), "--resume", str(ckpt))
     assert "step_000004" in resumed.stdout, resumed.stdout
     assert_same_run(straight, resumed, "offload on NVMe, rank 1 killed mid-step, then resumed")
 
@@ -122,7 +160,8 @@ def test_a_full_disk_mid_run_stops_with_one_line(runner, tmp_path):
     states.mkdir()
     # 3 buckets written at the start and at each step: the 13th write is step 4's first
     env = {"PYTHONPATH": f"{ROOT / 'tests' / 'disk_full'}:{ROOT}", "DISK_FULL_AFTER": str(BUCKETS * 4)}
-    p = runner.launch(OFFLOAD, None, *MODEL, *TRAIN, *nvme(states), "--save_every", "2", "--ckpt_dir", str(ckpt),
+    p = runner.launch(OFFLOAD, None, *MODEL, *TRAIN, *nvme(states, FEWER), "--save_every", "2", "--ckpt_dir",
+                      str(ckpt),
                       env=env)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
@@ -131,7 +170,7 @@ def test_a_full_disk_mid_run_stops_with_one_line(runner, tmp_path):
     # (a write's error shows where its buffer is next waited for: here at the step-4 save, which stays incomplete)
     assert (ckpt / "step_000002" / "manifest.json").exists() and not (ckpt / "step_000004" / "manifest.json").exists()
     straight = runner.run(OFFLOAD, None, *MODEL, *TRAIN)
-    resumed = runner.run(OFFLOAD, None, *MODEL, *TRAIN, *nvme(states), "--resume", str(ckpt),
+    resumed = runner.run(OFFLOAD, None, *MODEL, *TRAIN, *nvme(states, FEWER), "--resume", str(ckpt),
                          "--ckpt_dir", str(tmp_path / "continued"))
     assert_same_run(straight, resumed, "offload on NVMe, its disk full in step 4, then resumed from step 2")
 

@@ -1,12 +1,14 @@
 """offload.py beyond the checks every stage gets (test_stages.py runs those on it too): the parameter shard offloaded
-as well, the one-step-delayed update against a reference that applies each update one step late, and where each
-model state lives; every device-host copy's host end allocated to be pinned; and a failed background update stopping
+as well, the one-step-delayed update against a reference that applies each update one step late (and stopped and
+resumed at N = 2, against its straight run), and where each model state lives; one copy down per bucket a step
+under --grad_accum; every device-host copy's host end allocated to be pinned; and a failed background update stopping
 the run. (Stream order, a missing wait among them, is the fake CUDA device's: test_fake_mutations_streams.py.)"""
 import json
 import os
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, Runner
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference  # noqa: F401
@@ -137,6 +139,42 @@ def test_accumulated_gradient_shard_lives_on_the_device(tmp_path, flags):
 
 
 @pytest.fixture(scope="module")
+def world_of_one():
+    """A process group of one, in this process (test_any_model.py's; that file imports this one)."""
+    import torch.distributed as dist
+    from devices import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield torch.device("cpu")
+    dist.destroy_process_group()
+
+
+def test_one_copy_down_per_bucket_per_step(world_of_one):
+    """With --grad_accum 2 the micro-steps' shards are summed on the device and only the sum goes down: each step copies
+    each bucket's shard to the host once, on its last micro-step (a copy on every micro-step gives the same numbers
+    on a CPU, and costs a device-host transfer a micro-step on a GPU). In this process, a world of one."""
+    import offload
+    from test_any_model import any_model, loss_of, parse_args
+    engine = offload.OffloadEngine(any_model.SetClassifier(), parse_args(offload.OffloadEngine, ["--grad_accum", "2"]),
+                                   world_of_one)
+    down = []
+    copy = engine.copies.copy
+
+    def counted(dst, src):
+        down.append(dst.untyped_storage().data_ptr() == engine.grad_shard.untyped_storage().data_ptr())
+        return copy(dst, src)
+
+    engine.copies.copy = counted
+    for step in range(2):
+        down.clear()
+        for k in range(2):
+            engine.backward(loss_of(engine, 2 * step + k) / 2, sync=k == 1)
+        engine.step(1e-3)
+        assert sum(down) == len(engine.buckets), (
+            f"step {step}: {sum(down)} copies into the host's gradient shard, one per bucket ({len(engine.buckets)}) "
+            "expected: only the last micro-step's sum goes down")
+
+
+@pytest.fixture(scope="module")
 def delayed_reference(runner, tmp_path_factory):
     script = tmp_path_factory.mktemp("delayed") / "delayed_reference.py"
     script.write_text(DELAYED_REFERENCE.format(root=str(ROOT)))
@@ -155,6 +193,18 @@ def test_delayed_update_differs_from_exact(runner, reference):
     exact = reference.summary["losses"]
     assert got[0] == pytest.approx(exact[0], abs=LOSS_ATOL)
     assert all(abs(g - e) > 1e-4 for g, e in zip(got[1:], exact[1:])), (got, exact)
+
+
+def test_delayed_update_stopped_and_resumed_at_two_ranks(runner, tmp_path):
+    """--delayed_update at N = 2, stopped after step 3 and resumed: bit for bit the straight run that saves after step
+    3 too (a save lands the update in flight, in both runs alike)."""
+    from test_checkpoint import assert_same_run
+    delayed = [*MODEL, *TRAIN, "--delayed_update"]
+    straight = runner.run(OFFLOAD, 2, *delayed, "--save_every", "3", "--ckpt_dir", str(tmp_path / "straight"))
+    runner.run(OFFLOAD, 2, *delayed, "--stop_after", "3", "--ckpt_dir", str(tmp_path / "stopped"))
+    resumed = runner.run(OFFLOAD, 2, *delayed, "--resume", str(tmp_path / "stopped"))
+    assert resumed.summary["resumed_from"] == 3
+    assert_same_run(straight, resumed, "offload --delayed_update at N=2, stopped after step 3 and resumed")
 
 
 def test_delayed_update_second_gradient_shard_is_in_the_formula(runner):

@@ -1,5 +1,6 @@
-"""README's numbers that come from the files themselves (the table of lessons), and the size of the
-ladder's steps: each diff must carry its one idea and little else, each file must fit a reading."""
+"""README's numbers that come from the files themselves (the table of lessons, the formulas, the NVMe tier's figures
+from the published bench result), and the size of the ladder's steps: each diff must carry its one idea and little
+else, each file must fit a reading."""
 import re
 import sys
 
@@ -171,3 +172,30 @@ def test_ladder_formulas_are_the_code_formulas():
     fp32 = ", ".join(formula_text(s, param_bytes=4) for s in ("stage0", "stage1", "stage2"))
     fp32 += f" and {formula_text('stage3', param_bytes=4)}"
     assert f"formulas read {fp32};" in " ".join(text.split()), f"README's fp32 formulas should read: {fp32}"
+
+
+def test_offload_and_nvme_numbers_are_the_codes():
+    """README's offload row, split by place, and its NVMe tier's (host, disk, what a step reads and writes) from
+    train_gpt.theory; the NVMe paragraph's headline from the published bench/largest.py --limit host result."""
+    from test_docs import states_per_param, table_of
+    text = readme()
+    states, host, _ = states_per_param("offload", 2, world_size=2)
+    on_host = sum(states[k] for k in host)
+    device = sum(v for k, v in states.items() if k not in host)
+    summed = states_per_param("offload", 2, world_size=2, grad_accum=2)[0]["grad_acc"]
+    offload_row = next(ln for ln in text.splitlines() if ln.startswith("| `offload.py`"))
+    expected = (f"device {device}Ψ/N (0 with `--offload_params`; + {summed}Ψ/N with `--grad_accum` > 1), "
+                f"host {on_host}Ψ/N")
+    assert expected in offload_row, (
+        f"README's offload row: {offload_row.split('|')[3].strip()!r}; the code's formulas: {expected!r}")
+    states, host, disk = states_per_param("offload", 2, world_size=2, nvme=True)
+    on_host = sum(states[k] for k in host if k != "nvme_buffers")
+    nvme_row = next(ln for ln in text.splitlines() if ln.startswith("| `--offload_optimizer nvme`"))
+    expected = f"host {on_host}Ψ/N + buffers, disk {disk}Ψ/N | as offload, plus {disk}Ψ/N read and written"
+    assert expected in nvme_row, f"README's NVMe row: {'|'.join(nvme_row.split('|')[3:5])!r}; the code's: {expected!r}"
+    assert f"master and moments ({disk}Ψ/N) in a file" in text, f"README's NVMe paragraph: not {disk}Ψ/N on disk"
+    rows, _ = table_of((ROOT / "bench" / "results" / "largest_host_checkpointed.md").read_text())
+    ratio = next(r["ratio"] for r in rows if r["stage"] == "offload_nvme" and r["world_size"] == 1)
+    said = re.search(r"in one host memory, ([\d.]+)x offload's model", text)
+    assert said and said.group(1) == f"{ratio:.1f}", (
+        f"README: {said and said.group(0)!r}; bench/results/largest_host_checkpointed.md: {ratio}x at N=1")

@@ -1,8 +1,9 @@
 """What every stage's parity shares with the reference, tested on its own: the learning-rate schedule (lr_at: a slip
-there moves the reference and the stages alike, so parity cannot see it) against values written by hand, and the
-meters the ledgers read: the peak meter against a buffer of known size allocated and freed inside the measured
-window, and bench/compare.py's count of runs equal to the formula against summaries that disagree. No run is started:
-each test takes well under a second beside the import of torch."""
+there moves the reference and the stages alike, so parity cannot see it) against values written by hand, and the lr
+train_step hands each step's engine (lr_at of that step); the meters the ledgers read: the peak meter against a
+buffer of known size allocated and freed inside the measured window, and bench/compare.py's count of runs equal to the
+formula against summaries that disagree. No run is started: each test takes well under a second beside the import of
+torch."""
 import json
 import sys
 import types
@@ -12,7 +13,7 @@ import torch
 
 from conftest import ROOT
 from instruments import PeakMemory
-from train_gpt import lr_at
+from train_gpt import lr_at, train_step
 
 sys.path.insert(0, str(ROOT / "bench"))
 import compare  # noqa: E402
@@ -39,6 +40,39 @@ def test_lr_at_without_warmup():
     assert lr_at(0, args) == pytest.approx(1e-3, rel=1e-12), f"lr_at(0) with no warmup is {lr_at(0, args)!r}"
     assert lr_at(9, args) == pytest.approx(1e-4, rel=1e-12), f"lr_at(9) of 10 steps is {lr_at(9, args)!r}, not min_lr"
     assert lr_at(0, args) > lr_at(5, args) > lr_at(9, args), "the cosine must fall from lr to min_lr"
+
+
+class Recorder:
+    """An engine that trains nothing and records the lr each step() is given; a scalar parameter makes the loss."""
+    def __init__(self):
+        self.w = torch.ones((), requires_grad=True)
+        self.lrs = []
+
+    def forward(self, x, y):
+        return self.w * 1.0
+
+    def backward(self, loss, sync):
+        loss.backward()
+
+    def step(self, lr, scaler=None):
+        self.lrs.append(lr)
+        return torch.zeros(())
+
+
+class Tokens:
+    def batch(self, split, batch_seed, global_batch, part, n_parts, device):
+        return torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+
+
+def test_train_step_uses_lr_at_of_its_own_step():
+    """The lr the shared loop hands each stage's step() is lr_at(step): warmup's first step included. (The reference
+    shares the call, so parity cannot see it.)"""
+    engine = Recorder()
+    args = types.SimpleNamespace(**vars(SCHEDULE), grad_accum=1, seed=0, batch_size=1)
+    for step in range(args.steps):
+        train_step(engine, Tokens(), args, step, torch.device("cpu"))
+    expected = [lr_at(step, args) for step in range(args.steps)]
+    assert engine.lrs == expected, f"train_step's lr by step: {engine.lrs}, expected lr_at(step): {expected}"
 
 
 def test_peak_meter_sees_a_buffer_freed_inside_the_window():

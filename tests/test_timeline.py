@@ -1,5 +1,6 @@
-"""bench/timeline.py and instruments.Timeline: what the timeline of one step shows, and that taking it changes nothing.
-Five runs of a tiny GPT on 2 ranks."""
+"""bench/timeline.py and instruments.Timeline: what the timeline of one step shows, and that taking it changes nothing;
+every overlap it prints, and every one bench/results/timeline/ publishes, is its trace's. Five runs of a tiny GPT on
+2 ranks."""
 import json
 import os
 import re
@@ -91,26 +92,6 @@ def test_stage3_no_prefetch_gathers_nothing_during_forward(timeline):
     assert gathered_during_forward(trace) > 0, "with prefetch, the next unit's all-gather runs during a forward"
 
 
-def test_printed_overlap_is_the_traces(timeline):
-    """The overlap fraction printed is the one trace.json gives, computed here another way: by walking the moments
-    where any interval of a rank starts or ends, and summing the stretches where a collective is in flight and the
-    rank computes."""
-    printed, trace, _ = timeline("stage0_ddp.py", "--bucket_mb", "0.05")
-    shown = float(re.search(r"^communication overlapped by compute: ([\d.]+)%", printed, re.M).group(1))
-    both = total = 0.0
-    for rank in (0, 1):
-        comm = spans(trace, rank, lambda e: e["cat"] == "communication")
-        compute = spans(trace, rank, lambda e: e["cat"] == "compute")
-        moments = sorted({t for s in comm + compute for t in s})
-        for a, b in zip(moments, moments[1:]):
-            mid = (a + b) / 2
-            if any(s <= mid < e for s, e in comm):
-                total += b - a
-                both += (b - a) * any(s <= mid < e for s, e in compute)
-    assert total > 0
-    assert abs(100 * both / total - shown) <= 0.05 + 1e-9, f"printed {shown}%, trace.json: {100 * both / total:.3f}%"
-
-
 def test_tracing_changes_no_number(timeline, runner):
     """The traced run (hooks, wrapped handles, a thread waiting on each reduce-scatter) trains exactly as without."""
     _, _, traced = timeline("stage3.py", "--no_prefetch")
@@ -185,6 +166,20 @@ def test_cpu_compute_leaves_out_host_waits_and_adam(tmp_path):
                                    ("optimizer step", 0.5, 0.6), ("optimizer step", 0.8, 0.9)]), rows["compute"]
     assert close(rows["host waits"], [("wait cpu adam", 0.3, 0.5)]), rows["host waits"]
     assert close(rows["cpu adam"], [("adam_step", 0.6, 0.8)]), rows["cpu adam"]
+
+
+def test_a_transfer_from_the_step_before_says_so(tmp_path):
+    """The NVMe tier's write the step before left in flight is drawn from the step's start, with its bytes, and marked
+    as submitted before the step (bench/bench_nvme.py counts a step's own transfers only); one the step submitted is
+    not."""
+    t = Timeline.__new__(Timeline)  # the row-making part alone: no model, no engine
+    t.out_dir, t.rank, t.stage, t.step, t.cuda = str(tmp_path), 0, "offload", 0, False
+    t.segments, t.calls, t.waits, t.collectives = [("optimizer step", 0.0, 1.0)], [], [], []
+    t.spans = {"nvme writes": [["write", -0.2, 0.1, False, dict(MiB=20.0)], ["write", 0.5, 0.7, False, dict(MiB=1.0)]]}
+    t._write(0.0, 1.0)
+    events = json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    writes = [(e["ts"], e["args"]) for e in events if e.get("cat") == "nvme writes"]
+    assert writes == [(0.0, dict(MiB=20.0, submitted_before_the_step=True)), (500000.0, dict(MiB=1.0))], writes
 
 
 def profile_trace():
@@ -271,3 +266,66 @@ def test_nvme_reads_run_beside_adam(timeline, tmp_path_factory):
         else:
             assert under == 0, f"{count} buffer: {under} of {reads} reads ran beside AdamW"
     assert os.listdir(path) == [], os.listdir(path)
+
+
+def in_flight_and_under(trace, rank, category):
+    """(µs some `category` interval of the rank is in flight, µs of those the rank also computes), by walking every
+    moment where an interval starts or ends (not bench/timeline.py's union and intersection)."""
+    rows = spans(trace, rank, lambda e: e["cat"] == category)
+    compute = spans(trace, rank, lambda e: e["cat"] == "compute")
+    moments = sorted({t for s in rows + compute for t in s})
+    total = both = 0.0
+    for a, b in zip(moments, moments[1:]):
+        mid = (a + b) / 2
+        if any(s <= mid < e for s, e in rows):
+            total += b - a
+            both += (b - a) * any(s <= mid < e for s, e in compute)
+    return total, both
+
+
+def check_overlaps(text, trace, where):
+    """What bench/timeline.py printed (or published) against its trace: each rank's time in flight and share under
+    compute, and the all-ranks share, of communication, copies and the C++ AdamW (to the rounding printed: 0.1 ms,
+    0.1%)."""
+    checked = 0
+    for category in ("communication", "copies", "cpu adam"):
+        sums = [0.0, 0.0]
+        for rank in (0, 1):
+            said = re.search(rf"^(?:- |  )rank {rank}: .*?{category} ([\d.]+) ms(?: in flight)?, ([\d.]+)% of it under "
+                             "compute", text, re.M)
+            total, both = in_flight_and_under(trace, rank, category)
+            sums = [sums[0] + total, sums[1] + both]
+            if said is None:
+                assert total == 0, f"{where}: rank {rank}'s {category} ({total / 1e3:.1f} ms in its trace) not printed"
+                continue
+            ms = float(said.group(1))
+            share = float(said.group(2))
+            under = 100 * both / total if total else 0.0  # (nothing in flight: printed as 0%)
+            assert abs(ms - total / 1e3) <= 0.051 and abs(share - under) <= 0.051, (
+                f"{where}: rank {rank} prints {category} {ms} ms, {share}% under compute; its trace gives "
+                f"{total / 1e3:.2f} ms, {under:.2f}%")
+            checked += 1
+        said = re.search(rf"^(?:- )?{category} overlapped by compute: ([\d.]+)% \(all ranks; ([\d.]+) ms\)", text, re.M)
+        if sums[0]:
+            assert said, f"{where}: no all-ranks line for {category}"
+            assert abs(float(said.group(1)) - 100 * sums[1] / sums[0]) <= 0.051, (
+                f"{where}: {category} overlapped {said.group(1)}% over all ranks; the trace gives "
+                f"{100 * sums[1] / sums[0]:.2f}%")
+            assert abs(float(said.group(2)) - sums[0] / 1e3) <= 0.051, (where, category, said.group(2), sums[0])
+    assert checked >= 2, f"{where}: no rank's overlap found"
+
+
+@pytest.mark.parametrize("options", [("stage0_ddp.py", "--bucket_mb", "0.05"), ("offload.py",)],
+                         ids=["stage0", "offload"])
+def test_printed_overlaps_of_every_row_are_the_traces(timeline, options):
+    """Every overlap bench/timeline.py prints, per rank and over all ranks (offload's copies and C++ AdamW too), is the
+    one its trace.json gives, computed here another way."""
+    printed, trace, _ = timeline(*options)
+    check_overlaps(printed, trace, " ".join(options))
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "bench" / "results" / "timeline").glob("*.md")))
+def test_published_overlaps_are_their_traces(name):
+    """A published timeline (bench/results/timeline/NAME.md beside NAME.trace.json): its overlaps are its trace's."""
+    folder = ROOT / "bench" / "results" / "timeline"
+    check_overlaps((folder / f"{name}.md").read_text(), json.loads((folder / f"{name}.trace.json").read_text()), name)
