@@ -24,7 +24,7 @@ import torch.utils._pytree
 from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (checkpoint.py saves the training state)
 
 from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_checkpoints, save_checkpoint
-from options import Misuse, check_args, gpt_config, load_text, parse_args, require
+from options import Misuse, check_args, gpt_config, load_text, parse_args, refuse_sparse, require
 from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
 from comm import comm
 from instruments import Run, check_profile, evaluate, finish, holdings, pinned_bytes, summarize
@@ -254,6 +254,7 @@ def trained(model):
         raise RuntimeError(Misuse.META)
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     require(params, Misuse.NOTHING_TRAINED)
+    refuse_sparse(model)
     # one dtype for every trained parameter: an engine's flat buffers, and so the run, take the first one's
     other = next(((name, p) for name, p in params if p.dtype != params[0][1].dtype), None)
     if other is not None:
