@@ -275,17 +275,18 @@ def share_rank0s(model, args):
 
 def units_of(model, units):
     """ZeRO-3's units (stage3.py, offload.py): {trained parameter: the unit that gathers it}, unit by unit in the order
-    of `units`, the root last. A unit is a module whose forward runs; a parameter goes to the innermost unit that holds
-    it (nested units gather their own), and one that units side by side share (a tied embedding and output layer) to
-    the innermost unit that holds them all, the root at most: as FSDP2 and DeepSpeed place tied weights."""
+    of `units`, the root last. A unit is a module whose forward runs; a parameter goes to the innermost unit that
+    encloses every module registering it (nested units gather their own): a weight tied between modules, units or not
+    (a tied embedding and output layer), to their lowest common ancestor among the units, the root at most, as FSDP."""
     units = list(dict.fromkeys([*units, model]))
     inside = {m: set(m.modules()) for m in units}
+    users = {}  # id(parameter) -> the modules that register it (each module a tie joins)
+    for m in model.modules():
+        for q in m._parameters.values():
+            users.setdefault(id(q), []).append(m)
     owner = {}
     for _, p in trained(model):
-        holders = [m for m in units if any(p is q for q in m.parameters())]
-        # the holders that hold (or are inside) every other holder: the innermost of them owns p
-        common = [m for m in holders if all(h in inside[m] or m in inside[h] for h in holders)]
-        owner[p] = min(common, key=lambda m: len(inside[m]))
+        owner[p] = min([u for u in units if all(m in inside[u] for m in users[id(p)])], key=lambda u: len(inside[u]))
     return {p: m for m in units for p in m.parameters() if p in owner and owner[p] is m}
 
 def before_backward(out, hook):
