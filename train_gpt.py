@@ -27,6 +27,7 @@ from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_che
 from options import Misuse, check_args, gpt_config, load_text, parse_args, refuse_sparse, require
 from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
 from comm import comm
+from outside import Outside  # (stage3.py and offload.py: their parameters that leave their unit)
 from instruments import Run, check_profile, evaluate, finish, holdings, pinned_bytes, summarize
 
 # ----------------------------------------------------------------------------------------------------------
