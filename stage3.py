@@ -6,10 +6,10 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
     sent      per micro-step: 2 all-gathers of the parameters (forward, backward) + 1 reduce-scatter  =  3Ψ(N-1)/N
 
 The idea: a bucket is a module's parameters, the unit of gathering: each block of an nn.ModuleList (or each module of
-`units=[...]`), the root taking the rest, a tied weight going to the innermost unit enclosing its modules (units_of).
-Hooks gather a unit's parameters just before each call of its forward and its backward, prefetching the next unit's,
-and free them right after (the storage resized to zero; none stays gathered across a step; one that leaves its unit
-keeps it gathered until its backward, outside.py): a rank holds a unit or two beyond the formula. Nor is the model ever whole: the engine makes it unit by unit (from the meta device) and keeps its shard.
+`units=[...]`), the root taking the rest, a tied weight going to its modules' innermost common unit (units_of). Hooks
+gather a unit's parameters just before each call of its forward and its backward, prefetching the next unit's, and free
+them right after (the storage resized to zero; none stays gathered across a step): a rank holds a unit or two beyond
+the formula. Nor is the model ever whole: the engine makes it unit by unit (from the meta device) and keeps its shard.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100

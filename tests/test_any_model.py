@@ -199,7 +199,8 @@ class TiedToANonUnit(nn.Module):
         return self.out(torch.tanh(self.embed((x.abs() * 3).long().clamp(max=5))))
 
 
-LEAVING = {"returns its bias": (ReturnsItsBias, lambda m: [m.u]), "reads a weight": (ReadsAWeight, lambda m: [m.l1, m.l2]),
+LEAVING = {"returns its bias": (ReturnsItsBias, lambda m: [m.u]),
+           "reads a weight": (ReadsAWeight, lambda m: [m.l1, m.l2]),
            "tied to a non-unit": (TiedToANonUnit, lambda m: [m.embed])}
 
 
