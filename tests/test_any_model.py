@@ -1,7 +1,8 @@
 """A stage on a model that is not the GPT (examples/any_model.py: a frozen layer, a buffer, a forward that takes a
 mask): it matches the single-process reference at N = 1, 2, 4 to the GPT tests' tolerances, in fp32, and says so in
 its exit code; each misuse of an engine stops with one line that names the fix; stage 3 takes units of the caller's
-choosing. The misuse checks build engines in this process, as a world of one."""
+choosing, and trains parameters that leave their unit as the reference does. The misuse checks and those models
+build engines in this process, as a world of one."""
 import inspect
 import sys
 
@@ -12,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import test_stages
+from checkpoint import gather_master
 from conftest import ROOT, last_lines
 from devices import free_port
 from test_offload import SIMULATED
@@ -214,13 +216,12 @@ def build_leaving(stage_file, device, case):
     args = parse_args(Engine, ["--steps", "3", "--warmup", "1", "--lr", "1e-2", "--dtype", "fp32"])
     takes_units = "units" in inspect.signature(Engine).parameters
     engine = Engine(model, args, device, **({"units": units(model)} if takes_units else {}))
-    return engine, model, SingleDeviceEngine(reference, args, device), reference, args
+    return (engine, model), (SingleDeviceEngine(reference, args, device), reference)
 
 
 @pytest.mark.parametrize("case", list(LEAVING))
 def test_parameters_leaving_their_unit_train_as_the_reference(world_of_one, stage_file, case):
-    from checkpoint import gather_master
-    engine, model, ref_engine, reference, args = build_leaving(stage_file, world_of_one, case)
+    (engine, model), (ref_engine, reference) = build_leaving(stage_file, world_of_one, case)
     results = []
     for e in (engine, ref_engine):
         losses = []
@@ -241,7 +242,7 @@ def test_parameters_leaving_their_unit_train_as_the_reference(world_of_one, stag
 
 def test_a_freed_parameter_used_names_itself(world_of_one, stage_file):
     """After a step ZeRO-3 holds only its shard: a parameter held from before, or read, fails in one line naming it."""
-    engine, model, *_ = build_leaving(stage_file, world_of_one, "reads a weight")
+    (engine, model), _ = build_leaving(stage_file, world_of_one, "reads a weight")
     if not hasattr(engine, "buckets") or not hasattr(engine.buckets[0], "module"):
         pytest.skip("stages 0-2 keep every parameter whole")
     held = model.l2.bias
