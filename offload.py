@@ -23,7 +23,7 @@ from comm import comm
 from devices import load_cpu_adam
 from options import Misuse, require
 from train_gpt import AdamW, clip_coef, main, share_rank0s, trained
-from train_gpt import before_backward, units_of
+from train_gpt import Outside, before_backward, units_of
 
 class Copies:
     """Copies between device and host memory. With CUDA the host buffers are pinned (page-locked), so a copy is queued
@@ -98,7 +98,7 @@ class ZeROOffloadEngine:
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         # a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
-        # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
+        # trained parameter -> its unit: the innermost enclosing every module that registers it (units_of)
         unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
         # the trained parameters, unit by unit (a unit with nothing to train gets no bucket and no hooks)
         params = list(unit_of)
@@ -152,6 +152,8 @@ class ZeROOffloadEngine:
         for b in self.buckets:
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, backward=False))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
+        # a parameter that leaves its unit (returned, or read outside it) keeps the unit gathered (outside.py)
+        self.outside = Outside(self, model)
         # the units in the order they ran, forward and backward: which unit to gather early
         self.forward_order, self.backward_order = [], []
         for p in params:
@@ -215,8 +217,9 @@ class ZeROOffloadEngine:
         # b's recompute, in its backward: keep its parameters for that backward (_grad_ready frees them)
         if b.waiting:
             return
-        # autograd's saved views of the parameters share the bucket's storage: they are freed too
-        self._free(b)
+        # autograd's saved views of the parameters share the bucket's storage: they are freed too; but a parameter that
+        # left b (in its output, or read outside it) keeps b gathered for its reader until b's backward is done
+        self.outside.free_unless_kept(b, out)
         before_backward(out, lambda: self._use(b, backward=True))
 
     def _grad_ready(self, p):

@@ -128,6 +128,13 @@ def require(condition, misuse):
     if not condition:
         raise RuntimeError(misuse)
 
+def refuse_sparse(model):
+    """Refuse a module that makes sparse gradients for a trained parameter (nn.Embedding or nn.EmbeddingBag with
+    sparse=True): every engine adds gradients into dense flat buffers, which a sparse gradient cannot be viewed into."""
+    for name, m in model.named_modules():
+        if getattr(m, "sparse", False) is True and any(p.requires_grad for p in m.parameters(recurse=False)):
+            raise RuntimeError(Misuse.SPARSE.format(name or "the model", type(m).__name__))
+
 class Misuse:  # what an engine refuses, one line each (train_gpt.trained and every Engine, through require)
     OUTSIDE_BACKWARD = ("a gradient arrived outside engine.backward (was loss.backward() called directly?): call "
                         "engine.backward(loss, sync), which arms the engine's hooks and reduces gradients across ranks")
@@ -141,5 +148,7 @@ class Misuse:  # what an engine refuses, one line each (train_gpt.trained and ev
                        "some (requires_grad_(True)) before building the engine")
     DTYPES = ("trained parameters of two dtypes, {} ({}) and {} ({}): an engine keeps them in one flat buffer of the "
               "first one's dtype; cast the model to one dtype (model.to(dtype)) before building the engine")
+    SPARSE = ("{} ({}) makes sparse gradients (sparse=True): an engine adds gradients into dense buckets; build it "
+              "with sparse=False (the default)")
     CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
                "replaced, requires_grad switched): build the engine after the model's last change")

@@ -6,11 +6,11 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
     sent      per micro-step: 2 all-gathers of the parameters (forward, backward) + 1 reduce-scatter  =  3Ψ(N-1)/N
 
 The idea: a bucket is a module's parameters, the unit of gathering. Each block of an nn.ModuleList (or each module of
-`units=[...]`) is a unit, and the root takes the rest; a weight that units share goes to a unit that holds them all
-(units_of). Hooks
-gather a unit's parameters just before each call of its forward and its backward, prefetching the next unit's, and free
-them right after (the storage resized to zero; none stays gathered across a step): a rank holds a unit or two beyond
-the formula. Nor is the model ever whole: the engine makes it unit by unit (from the meta device) and keeps its shard.
+`units=[...]`) is a unit, and the root takes the rest; a tied weight goes to its modules' innermost common unit
+(units_of). Hooks gather a unit's parameters just before each call of its forward and its backward, prefetching the next
+unit's, and free them right after (the storage resized to zero; none stays gathered across a step): a rank holds a unit
+or two beyond the formula. Nor is the model ever whole: the engine makes it unit by unit (from the meta device) and
+keeps its shard.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 stage3.py --preset tiny --steps 100
@@ -22,7 +22,7 @@ import torch.nn as nn
 from comm import comm
 from options import Misuse, require
 from train_gpt import AdamW, clip_coef, main, share_rank0s, sum_of_squares, trained
-from train_gpt import before_backward, units_of
+from train_gpt import Outside, before_backward, units_of
 
 class Bucket:
     """A module's parameters, gathered by one collective and reduced by another, with flat buffers for both, padded to
@@ -51,7 +51,7 @@ class ZeRO3Engine:
         self.model, self.args = model, args
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         # [ZeRO-3] a bucket per unit (each ModuleList child, or each of `units`; the root last): its trained parameters
-        # trained parameter -> its unit: the innermost that holds it, or that holds every unit sharing it (units_of)
+        # trained parameter -> its unit: the innermost enclosing every module that registers it (units_of)
         unit_of = units_of(model, units or [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml])
         # the trained parameters, unit by unit (a unit with nothing to train gets no bucket and no hooks)
         params = list(unit_of)
@@ -100,6 +100,8 @@ class ZeRO3Engine:
         for b in self.buckets:
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, backward=False))
             b.module.register_forward_hook(lambda m, inputs, out, b=b: self._after_forward(b, out))
+        # a parameter that leaves its unit (returned, or read outside it) keeps the unit gathered (outside.py)
+        self.outside = Outside(self, model)
         # [/ZeRO-3]
         # [Prefetch] the units in the order they ran, forward and backward: which unit to gather early
         self.forward_order, self.backward_order = [], []
@@ -168,8 +170,9 @@ class ZeRO3Engine:
         if b.waiting:
             return
         # [/Recompute]
-        # autograd's saved views of the parameters share the bucket's storage: they are freed too
-        self._free(b)
+        # autograd's saved views of the parameters share the bucket's storage: they are freed too; but a parameter that
+        # left b (in its output, or read outside it) keeps b gathered for its reader until b's backward is done
+        self.outside.free_unless_kept(b, out)
         before_backward(out, lambda: self._use(b, backward=True))
     # [/ZeRO-3]
 

@@ -24,9 +24,10 @@ import torch.utils._pytree
 from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (checkpoint.py saves the training state)
 
 from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_checkpoints, save_checkpoint
-from options import Misuse, check_args, gpt_config, load_text, parse_args, require
+from options import Misuse, check_args, gpt_config, load_text, parse_args, refuse_sparse, require
 from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
 from comm import comm
+from outside import Outside  # (stage3.py and offload.py: their parameters that leave their unit)
 from instruments import Run, check_profile, evaluate, finish, holdings, pinned_theory, summarize
 from nvme import ON_DISK, nvme_theory  # the NVMe tier's formula: its file and buffers
 
@@ -231,6 +232,7 @@ def trained(model):
         raise RuntimeError(Misuse.META)
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     require(params, Misuse.NOTHING_TRAINED)
+    refuse_sparse(model)
     # one dtype for every trained parameter: an engine's flat buffers, and so the run, take the first one's
     other = next(((name, p) for name, p in params if p.dtype != params[0][1].dtype), None)
     if other is not None:
@@ -251,17 +253,20 @@ def share_rank0s(model, args):
 
 def units_of(model, units):
     """ZeRO-3's units (stage3.py, offload.py): {trained parameter: the unit that gathers it}, unit by unit in the order
-    of `units`, the root last. A unit is a module whose forward runs; a parameter goes to the innermost unit that holds
-    it (nested units gather their own), and one that units side by side share (a tied embedding and output layer) to
-    the innermost unit that holds them all, the root at most: as FSDP2 and DeepSpeed place tied weights."""
+    of `units`, the root last. A unit is a module whose forward runs; a parameter goes to the innermost unit that
+    encloses every module registering it (nested units gather their own): a weight tied between modules, units or not
+    (a tied embedding and output layer), to their lowest common ancestor among the units, the root at most, as FSDP."""
     units = list(dict.fromkeys([*units, model]))
     inside = {m: set(m.modules()) for m in units}
+    users = {}  # id(parameter) -> the modules that register it (each module a tie joins)
+    for m in model.modules():
+        for q in m._parameters.values():
+            users.setdefault(id(q), []).append(m)
     owner = {}
     for _, p in trained(model):
-        holders = [m for m in units if any(p is q for q in m.parameters())]
-        # the holders that hold (or are inside) every other holder: the innermost of them owns p
-        common = [m for m in holders if all(h in inside[m] or m in inside[h] for h in holders)]
-        owner[p] = min(common, key=lambda m: len(inside[m]))
+        # the units that enclose every module registering p: the innermost of them owns p
+        enclosing = [u for u in units if all(m in inside[u] for m in users[id(p)])]
+        owner[p] = min(enclosing, key=lambda u: len(inside[u]))
     return {p: m for m in units for p in m.parameters() if p in owner and owner[p] is m}
 
 def before_backward(out, hook):

@@ -54,7 +54,13 @@ class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
     building = False  # in an engine's __init__
 flags = Flags()
-real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
+def real_device(t):
+    """t's real device; a tensor subclass's too (outside.Sharded: torch asks its __torch_function__, which would
+    call the fake Tensor.device)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch._C.TensorBase.device.__get__(t)
+
+real = dict(device=real_device, to=torch.Tensor.to, init=dist.init_process_group,
             exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
             tensor=torch.tensor, start=threading.Thread.start, join=threading.Thread.join,
             submit=concurrent.futures.ThreadPoolExecutor.submit)
@@ -79,12 +85,13 @@ def tensors(arguments):
     return [(f"{n}[{i}]" if isinstance(v, (list, tuple)) else n, t) for n, v in arguments
             for i, t in enumerate(v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
 
-PLUMBING = ("comm.py", "instruments.py", "devices.py")  # the files every stage calls through, never the culprit
+# the files every stage calls through, never the culprit (outside.py: every op on a ZeRO-3 parameter)
+PLUMBING = ("comm.py", "instruments.py", "devices.py", "outside.py")
 
 def where(stack=None):
     """file:line of the innermost frame in the project (the repository or the stage's folder, not tests/); if that is
-    in the plumbing every stage shares (comm.py, instruments.py, devices.py), its caller's, "via" the plumbing's. Of this
-    thread's stack, or of `stack`: (file, line) pairs, innermost first."""
+    in the plumbing every stage shares (comm.py, instruments.py, devices.py, outside.py), its caller's, "via" the
+    plumbing's. Of this thread's stack, or of `stack`: (file, line) pairs, innermost first."""
     frames = ["?"]
     for file, lineno in stack if stack is not None else this_stack(sys._getframe(1)):
         path = os.path.abspath(file)

@@ -6,7 +6,9 @@ tests/test_any_model_random.py under N ranks, one process group for many seeds:
 
 A model is a few units in an nn.ModuleList called in a seeded order (some twice, some outputs left unused), nested
 units, outputs of any structure (dict, list, namedtuple, dataclass, non-tensors beside tensors), frozen units, weights
-tied across units, odd sizes and 1-element parameters. Exits non-zero after printing, for each seed that differs by more
+tied across units, odd sizes and 1-element parameters; and parameters that leave their unit: a unit that returns its
+bias beside its output, a unit's weight read by the root after the unit ran, a unit's weight tied to a module that is
+no unit. Exits non-zero after printing, for each seed that differs by more
 than 1e-5 relative (losses, gradient norms, final weights), what differed and the model."""
 import argparse
 import dataclasses
@@ -66,6 +68,7 @@ class Unit(nn.Module):
         super().__init__()
         self.kind = kind
         self.shape = shape
+        self.returns_bias = False  # (output, its last linear's bias): the caller adds the bias
         self.inner = nn.ModuleList(nn.Linear(width, width) for _ in range(2 if kind == "nested" else 1))
         if kind == "scaled":
             self.scale = nn.Parameter(torch.ones(1) * 0.9)
@@ -76,6 +79,8 @@ class Unit(nn.Module):
             y = torch.tanh(layer(y))
         if self.kind == "scaled":
             y = y * self.scale
+        if self.returns_bias:
+            return wrap(self.shape, y, x), self.inner[-1].bias
         return wrap(self.shape, y, x)
 
 
@@ -101,16 +106,33 @@ class RandomModel(nn.Module):
             self.tied = r.sample(range(n), 2)  # the first linear of unit b takes unit a's weight
             a, b = self.tied
             self.units[b].inner[0].weight = self.units[a].inner[0].weight
+        # parameters that leave their unit (drawn last: the draws above make the same models with or without them)
+        self.returning = [i for i in range(n) if r.random() < 0.25]
+        for i in self.returning:
+            self.units[i].returns_bias = True
+        self.read = r.randrange(n) if r.random() < 0.5 else None  # the root reads this unit's weight after the calls
+        self.mix = None
+        if r.random() < 0.5:  # a linear of the root's, no unit, whose weight is a unit's first linear's
+            self.shared = r.randrange(n)
+            self.mix = nn.Linear(self.width, self.width, bias=False)
+            self.mix.weight = self.units[self.shared].inner[0].weight
         self.description = (f"RandomModel({seed}): width {self.width}, units {list(zip(kinds, shapes))}, calls "
                             f"{self.calls}, outputs also computed and unused for {self.unused}, frozen {self.frozen}, "
-                            f"tied (first linear's weight) {self.tied}")
+                            f"tied (first linear's weight) {self.tied}, returning their bias {self.returning}, weight "
+                            f"read by the root {self.read}, weight tied to the root's linear "
+                            f"{self.shared if self.mix else None}")
 
     def forward(self, x):
         h = x
         for i in self.calls:
             if i in self.unused:
                 self.units[i](h)  # an output no loss uses
-            h = unwrap(self.units[i](h))
+            out = self.units[i](h)
+            h = unwrap(out[0]) + out[1] if i in self.returning else unwrap(out)
+        if self.read is not None:
+            h = h + 0.5 * torch.tanh(h @ self.units[self.read].inner[0].weight.t())
+        if self.mix is not None:
+            h = h + 0.5 * torch.tanh(self.mix(h))
         return self.head(h)
 
     def __repr__(self):
@@ -186,6 +208,19 @@ def check(seed, Engine, args, rank, world_size):
     return problems or None
 
 
+def sparse_refused(Engine, args):
+    """An nn.EmbeddingBag(sparse=True) (torch's sparse gradients) is refused as the engine is built, in one line that
+    names it and sparse=False; else what happened."""
+    model = nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True), nn.Linear(4, 2))
+    try:
+        Engine(model, args, torch.device("cpu"))
+    except RuntimeError as e:
+        if str(e).startswith("0 (EmbeddingBag) ") and "sparse=False" in str(e) and "\n" not in str(e):
+            return None
+        return [f"refused sparse gradients with: {e}"]
+    return ["built an engine on an nn.EmbeddingBag(sparse=True)"]
+
+
 def seeds(text):
     lo, _, hi = text.partition("-")
     return range(int(lo), int(hi or lo) + 1)
@@ -215,8 +250,14 @@ def main():
             failed += 1
             where = f"{Path(ours.stage).stem}, rank {rank} of {world_size}"
             print(f"FAILED seed {seed} ({where}): {RandomModel(seed)!r}\n  " + "\n  ".join(problems), flush=True)
+    problems = sparse_refused(Engine, args)
+    if problems:
+        failed += 1
+        print(f"FAILED sparse gradients ({Path(ours.stage).stem}, rank {rank} of {world_size}): {problems[0]}",
+              flush=True)
     if rank == 0:
-        print(f"{Path(ours.stage).stem}: {len(seeds(ours.seeds))} seeds at N={world_size}, {failed} failed", flush=True)
+        print(f"{Path(ours.stage).stem}: {len(seeds(ours.seeds))} seeds and sparse gradients at N={world_size}, "
+              f"{failed} failed", flush=True)
     sys.stdout.flush()
     os._exit(1 if failed else 0)
 

@@ -1,7 +1,8 @@
 """A stage on a model that is not the GPT (examples/any_model.py: a frozen layer, a buffer, a forward that takes a
 mask): it matches the single-process reference at N = 1, 2, 4 to the GPT tests' tolerances, in fp32, and says so in
 its exit code; each misuse of an engine stops with one line that names the fix; stage 3 takes units of the caller's
-choosing. The misuse checks build engines in this process, as a world of one."""
+choosing, and trains parameters that leave their unit as the reference does. The misuse checks and those models
+build engines in this process, as a world of one."""
 import inspect
 import sys
 
@@ -12,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import test_stages
+from checkpoint import gather_master
 from conftest import ROOT, last_lines
 from devices import free_port
 from test_offload import SIMULATED
@@ -153,3 +155,107 @@ def test_units_of_the_callers_choosing(world_of_one, stage_file):
     expected = any_model.train(SingleDeviceEngine(reference, args, world_of_one), reference, args, 0, 1, world_of_one)
     assert got[0] == pytest.approx(expected[0], abs=test_stages.LOSS_ATOL), (got[0], expected[0])
     assert got[1] == pytest.approx(expected[1], rel=test_stages.NORM_RTOL), (got[1], expected[1])
+
+
+# ---- parameters that leave their unit, and sparse gradients: models from DeepSpeed's, FSDP's and torch's own tests.
+# Every engine trains the first three as the single-process reference does (stages 0-2 have no units: the same
+# models, trained whole); a freed parameter used anyway names itself; sparse gradients are refused on every engine.
+
+class DanglingBias(nn.Linear):
+    """DeepSpeed's test_ext_param_return: a linear that returns its bias beside its output, for the caller to add."""
+    def forward(self, x):
+        return F.linear(x, self.weight), self.bias
+
+
+class ReturnsItsBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.u = DanglingBias(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y, bias = self.u(x)
+        return self.head(torch.tanh(y + bias))
+
+
+class ReadsAWeight(nn.Module):
+    """DeepSpeed's test_ext_param_getattr: the root reads l1's weight after l1 ran."""
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(self.l2(self.l1(x))), self.l1.weight)
+
+
+class TiedToANonUnit(nn.Module):
+    """FSDP's test_parent_child_shared_params, as GPT's token embedding and head with units=[embed]."""
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.embed((x.abs() * 3).long().clamp(max=5))))
+
+
+LEAVING = {"returns its bias": (ReturnsItsBias, lambda m: [m.u]),
+           "reads a weight": (ReadsAWeight, lambda m: [m.l1, m.l2]),
+           "tied to a non-unit": (TiedToANonUnit, lambda m: [m.embed])}
+
+
+def build_leaving(stage_file, device, case):
+    Engine = any_model.load_engine(stage_file)
+    make, units = LEAVING[case]
+    torch.manual_seed(0)
+    model = make()
+    reference = make()
+    reference.load_state_dict(model.state_dict())
+    args = parse_args(Engine, ["--steps", "3", "--warmup", "1", "--lr", "1e-2", "--dtype", "fp32"])
+    takes_units = "units" in inspect.signature(Engine).parameters
+    engine = Engine(model, args, device, **({"units": units(model)} if takes_units else {}))
+    return (engine, model), (SingleDeviceEngine(reference, args, device), reference)
+
+
+@pytest.mark.parametrize("case", list(LEAVING))
+def test_parameters_leaving_their_unit_train_as_the_reference(world_of_one, stage_file, case):
+    (engine, model), (ref_engine, reference) = build_leaving(stage_file, world_of_one, case)
+    results = []
+    for e in (engine, ref_engine):
+        losses = []
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            loss = e.forward(x).square().mean()
+            e.backward(loss, sync=True)
+            e.step(1e-2)
+            losses.append(loss.item())
+        results.append(losses)
+    assert results[0] == pytest.approx(results[1], rel=1e-5), results
+    master = gather_master(engine)
+    for name, p in reference.named_parameters():
+        assert torch.allclose(master[name].view_as(p), p.detach(), rtol=0, atol=1e-5 * p.abs().max().item()), name
+    if case == "tied to a non-unit" and "units" in inspect.signature(type(engine)).parameters:  # owner: the root
+        assert engine.bucket_of[model.embed.weight].module is model
+
+
+def test_a_freed_parameter_used_names_itself(world_of_one, stage_file):
+    """After a step ZeRO-3 holds only its shard: a parameter held from before, or read, fails in one line naming it."""
+    (engine, model), _ = build_leaving(stage_file, world_of_one, "reads a weight")
+    if not hasattr(engine, "buckets") or not hasattr(engine.buckets[0], "module"):
+        pytest.skip("stages 0-2 keep every parameter whole")
+    held = model.l2.bias
+    engine.backward(engine.forward(torch.ones(2, 4)).sum(), sync=True)
+    engine.step(1e-2)
+    for use in (lambda: held + 1, lambda: model.l1.weight.sum(), lambda: print(model.l2.weight)):
+        with pytest.raises(RuntimeError, match=r"^l[12]\.(weight|bias) of unit l[12] is freed") as e:
+            use()
+        assert "\n" not in str(e.value)
+
+
+def test_sparse_gradients_are_refused(world_of_one, stage_file):
+    """torch's test_sparse_gradients model: nn.EmbeddingBag(sparse=True), refused as the engine is built."""
+    model = nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True), nn.Linear(4, 2))
+    refused(lambda: build(stage_file, world_of_one, model), Misuse.SPARSE.format("0", "EmbeddingBag"))
+    assert "sparse=False" in Misuse.SPARSE

@@ -1,0 +1,97 @@
+"""
+outside.py: ZeRO-3's parameters outside their unit (stage3.py, offload.py). A unit's parameters are gathered for its
+forward and freed right after; but a parameter can leave its unit in the forward: returned in the unit's output
+(DeepSpeed's test_ext_param_return: a linear that returns its bias for the caller to add), or read by a module outside
+the unit (test_ext_param_getattr: the root's F.linear(h, self.l1.weight) after l1 ran). As DeepSpeed does with such
+"external" parameters, the read gathers the unit (a read is `module.weight`: torch's Module.__getattr__ takes it from
+module._parameters, which Reads replaces, as DeepSpeed's ZeROOrderedDict), and either way the unit stays gathered
+until its backward is done, instead of being freed after its forward: the reader's backward needs the parameter too.
+Outside engine.forward a read gathers nothing (a gather is a collective: one rank's read would hang the others), and
+a freed parameter used there, or held from before a step, raises a line that names it, its unit and the fix
+(Sharded), where torch would read freed memory or fail naming nothing.
+"""
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree
+
+FREED = ("{} is freed: ZeRO-3 keeps only this rank's shard of it outside its unit's forward and backward; read it "
+         "through its module (module.weight) inside engine.forward, which gathers it, or its trained values with "
+         "checkpoint.gather_master(engine)")
+# what a freed parameter still answers (its shape, its dtype, where it lives, its hooks), never its values
+METADATA = {"__get__", "__set__", "__hash__", "numel", "size", "dim", "stride", "storage_offset", "untyped_storage",
+            "element_size", "is_contiguous", "is_pinned", "data_ptr", "requires_grad_", "register_hook",
+            "register_post_accumulate_grad_hook"}
+
+class Sharded(nn.Parameter):
+    """A ZeRO-3 engine's trained parameter: an nn.Parameter that, used while freed (its bucket's storage resized to
+    zero bytes, its sizes kept), raises FREED naming itself (its `where`)."""
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():  # as nn.Parameter: plain tensors out, and no recursion here
+            if getattr(func, "__name__", None) not in METADATA:
+                for t in [x for a in (*args, *kwargs.values()) for x in (a if isinstance(a, (list, tuple)) else [a])]:
+                    if type(t) is Sharded and t.numel() and not t.untyped_storage().nbytes():
+                        raise RuntimeError(FREED.format(t.where))
+            return func(*args, **kwargs)
+
+class Reads(dict):
+    """A module's _parameters that tells on_read(p) of each read of a parameter by attribute (module.weight)."""
+    def __init__(self, params, on_read):
+        super().__init__(params)
+        self.on_read = on_read
+
+    def __getitem__(self, name):
+        p = super().__getitem__(name)
+        self.on_read(p)
+        return p
+
+def leaves(out):
+    """The tensors of a forward's output of any structure (as train_gpt.before_backward walks it)."""
+    found = torch.utils._pytree.tree_leaves(out)
+    fields = [[getattr(t, f.name) for f in dataclasses.fields(t)] for t in found
+              if dataclasses.is_dataclass(t) and not isinstance(t, type)]
+    return [t for t in found + torch.utils._pytree.tree_leaves(fields) if isinstance(t, torch.Tensor)]
+
+class Outside:
+    """One ZeRO-3 engine's watch on its parameters leaving their units (the engine's buckets, bucket_of, _gather,
+    _wait). A bucket a parameter left in this forward is `kept`: gathered until its backward frees it (_grad_ready)."""
+    def __init__(self, engine, model):
+        self.engine = engine
+        self.model = model
+        self.bucket = {id(p): b for p, b in engine.bucket_of.items()}  # id(parameter) -> its bucket
+        self.running = {}  # module -> how many of its forwards are running now (the root's: engine.forward)
+        self.kept = set()
+        names = {m: name or "the root" for name, m in model.named_modules()}
+        for name, p in model.named_parameters():
+            if id(p) in self.bucket:
+                p.__class__ = Sharded
+                p.where = f"{name} of unit {names[self.bucket[id(p)].module]}"
+        for m in model.modules():
+            m._parameters = Reads(m._parameters, self._read)
+        for m in dict.fromkeys([*(b.module for b in engine.buckets), model]):
+            m.register_forward_pre_hook(lambda m, inputs: self._count(m, 1))
+            m.register_forward_hook(lambda m, inputs, out: self._count(m, -1), always_call=True)
+        # each forward starts with no bucket kept (the last one's kept buckets were freed by their backward)
+        model.register_forward_pre_hook(lambda m, inputs: self.kept.clear())
+
+    def _count(self, m, n):
+        self.running[m] = self.running.get(m, 0) + n
+
+    def _read(self, p):
+        """p is read: in engine.forward and outside p's unit, gather the unit now and keep it."""
+        b = self.bucket.get(id(p))
+        if b is not None and self.running.get(self.model) and not self.running.get(b.module):
+            self.engine._gather(b)
+            self.engine._wait(b)
+            self.kept.add(b)
+
+    def free_unless_kept(self, b, out):
+        """After b's forward: free b (engine._free), unless one of its parameters (or a view of one) is in the
+        forward's output `out` or was read outside b in this forward: then b stays gathered until its backward."""
+        if any(t is p or t._base is p for t in leaves(out) for p in b.params):
+            self.kept.add(b)
+        if b not in self.kept:
+            self.engine._free(b)
