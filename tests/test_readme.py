@@ -176,8 +176,8 @@ def test_ladder_formulas_are_the_code_formulas():
 
 def test_offload_and_nvme_numbers_are_the_codes():
     """README's offload row, split by place, and its NVMe tier's (host, disk, what a step reads and writes) from
-    train_gpt.theory; the NVMe paragraph's headline from the published bench/largest.py --limit host result."""
-    from test_docs import states_per_param, table_of
+    train_gpt.theory. (bench/README's headline of the tier, from its published result, is test_docs'.)"""
+    from test_docs import states_per_param
     text = readme()
     states, host, _ = states_per_param("offload", 2, world_size=2)
     on_host = sum(states[k] for k in host)
@@ -193,9 +193,4 @@ def test_offload_and_nvme_numbers_are_the_codes():
     nvme_row = next(ln for ln in text.splitlines() if ln.startswith("| `--offload_optimizer nvme`"))
     expected = f"host {on_host}Ψ/N + buffers, disk {disk}Ψ/N | as offload, plus {disk}Ψ/N read and written"
     assert expected in nvme_row, f"README's NVMe row: {'|'.join(nvme_row.split('|')[3:5])!r}; the code's: {expected!r}"
-    assert f"master and moments ({disk}Ψ/N) in a file" in text, f"README's NVMe paragraph: not {disk}Ψ/N on disk"
-    rows, _ = table_of((ROOT / "bench" / "results" / "largest_host_checkpointed.md").read_text())
-    ratio = next(r["ratio"] for r in rows if r["stage"] == "offload_nvme" and r["world_size"] == 1)
-    said = re.search(r"in one host memory, ([\d.]+)x offload's model", text)
-    assert said and said.group(1) == f"{ratio:.1f}", (
-        f"README: {said and said.group(0)!r}; bench/results/largest_host_checkpointed.md: {ratio}x at N=1")
+    assert f"master and moments ({disk}Ψ/N) live in a file" in text, f"README's NVMe paragraph: not {disk}Ψ/N on disk"
