@@ -49,7 +49,8 @@ class Reads(dict):
         return p
 
 def leaves(out):
-    """The tensors of a forward's output of any structure (as train_gpt.before_backward walks it)."""
+    """The tensors of a forward's output of any structure: torch's pytree walk (dicts, lists, tuples, namedtuples, as
+    FSDP2 walks them), and into dataclasses, which pytree keeps whole unless registered with it."""
     found = torch.utils._pytree.tree_leaves(out)
     fields = [[getattr(t, f.name) for f in dataclasses.fields(t)] for t in found
               if dataclasses.is_dataclass(t) and not isinstance(t, type)]

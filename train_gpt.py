@@ -13,21 +13,19 @@ grad(p) -> (lo, view) of p's averaged gradient this rank holds, model_states(), 
 device layer, meters, options and checkpoints come after the stages.
 """
 import math, zlib
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree
 from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (checkpoint.py saves the training state)
 
 from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_checkpoints, save_checkpoint
 from options import Misuse, check_args, gpt_config, load_text, parse_args, refuse_sparse, require
 from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
 from comm import comm
-from outside import Outside  # (stage3.py and offload.py: their parameters that leave their unit)
+from outside import Outside, leaves  # ZeRO-3's parameters that leave their unit (stage3.py, offload.py)
 from instruments import Run, check_profile, evaluate, finish, holdings, pinned_theory, summarize
 from nvme import ON_DISK, nvme_theory  # the NVMe tier's formula: its file and buffers
 
@@ -272,16 +270,12 @@ def units_of(model, units):
 def before_backward(out, hook):
     """ZeRO-3's backward pre-hook: hook() runs each time backward reaches a tensor of a forward's output `out`, before
     backward goes on into the module that made it. Hooks on the output tensors, as FSDP2 registers its own, see every
-    call of a module, however often it runs. `out` may be of any structure: torch's pytree walk (dicts, lists, tuples,
-    namedtuples, as FSDP2 walks them), and into dataclasses, which pytree keeps whole unless registered with it."""
+    call of a module, however often it runs. `out` may be of any structure (outside.leaves walks it as FSDP2 does)."""
     def on_grad(grad):
         hook()
 
-    leaves = torch.utils._pytree.tree_leaves(out)
-    fields = [[getattr(t, f.name) for f in dataclasses.fields(t)] for t in leaves
-              if dataclasses.is_dataclass(t) and not isinstance(t, type)]
-    for t in leaves + torch.utils._pytree.tree_leaves(fields):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
+    for t in leaves(out):
+        if t.requires_grad:
             t.register_hook(on_grad)
 
 class AdamW:
