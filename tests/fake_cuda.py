@@ -30,7 +30,7 @@ that made what is held. A device the project names (device="cpu", .cpu(), .to("c
 whatever its inputs' device.
 """
 import collections, concurrent.futures, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback
-import itertools, types, weakref
+import importlib, itertools, types, weakref
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,7 @@ state = types.SimpleNamespace(device=int(os.environ.get("LOCAL_RANK", 0)), nccl=
 class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"; in a collective; in Tensor.to; the
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
     building = False  # in an engine's __init__
+    cxx_device = None  # in DDP's C++ Reducer: its parameters' device ("cuda:i"), where it makes its buckets
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
             exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
@@ -121,6 +122,28 @@ def identity(t):
     k = 1 + sum(n < number for n, _ in live)
     return f"made at {site} #{k} +{t.storage_offset() * t.element_size()}"
 
+# collective: (the whole buffer, the rank's slice of it) when it runs in place
+IN_PLACE = {"all_gather_into_tensor": ("output_tensor", "input_tensor"),
+            "all_gather_single": ("output_tensor", "input_tensor"),
+            "reduce_scatter_tensor": ("input", "output"), "reduce_scatter_single": ("input", "output")}
+
+def identities(name, bound, named):
+    """(name, tensor, which buffer it is) of a collective's tensors, each by identity(), but the rank's slice of an
+    in-place one (NCCL's rule: an all-gather's input at output + rank * its size, a reduce-scatter's output at input +
+    rank * its size; FSDP2 gathers so), which is named as that slice: its offset differs by rank by design. A slice
+    anywhere else keeps its offset, which the other ranks' then show differs."""
+    whole_name, part_name = IN_PLACE.get(name, (None, None))
+    whole, part = bound.get(whole_name), bound.get(part_name)
+    slice_of = None
+    if isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor):
+        size = part.numel() * part.element_size()
+        start = whole.storage_offset() * whole.element_size() + dist.get_rank(bound.get("group")) * size
+        if (part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() and whole.is_contiguous()
+                and part.storage_offset() * part.element_size() == start
+                and whole.numel() == part.numel() * dist.get_world_size(bound.get("group"))):
+            slice_of = f"in place: the rank's slice of {whole_name}"
+    return [(n, t, slice_of if slice_of and n == part_name else identity(t)) for n, t in named]
+
 def this_stack(f):
     while f is not None:
         yield f.f_code.co_filename, f.f_lineno
@@ -158,6 +181,8 @@ class FakeCuda(TorchDispatchMode):
             return func(*args, **kwargs)
         named = tensors([(a.name, v) for a, v in zip(func._schema.arguments, args)] + list(kwargs.items()))
         want, pin = kwargs.get("device"), kwargs.pop("pin_memory", None)  # pinning needs CUDA: a tag instead
+        if want == torch.device("cpu") and flags.cxx_device and not from_project():  # (DDP's buckets)
+            want = torch.device(flags.cxx_device)
         if isinstance(want, torch.device) and want.type == "cuda":
             want = torch.device("cuda", state.device if want.index is None else want.index)
             kwargs["device"] = torch.device("cpu")
@@ -219,6 +244,20 @@ class FakeCuda(TorchDispatchMode):
         elif len({"cpu" if host(t) else tag(t) for n, t in named if (t.dim() or not host(t)) and not (
                 func in INDEXING and n.startswith("indices") and host(t))}) > 1:  # one kernel, one device
             refuse(op, ", ".join(shown(n, t) for n, t in named))
+
+
+class Reducer(dist.Reducer):
+    """DDP's C++ Reducer, which makes its buckets (at construction, and again in its first forwards' rebuild) with
+    its parameters' options: on a GPU their device; here the host, which holds the fake device's memory. Its factory
+    calls naming the host are placed on its parameters' device. Its rebuild, once in a run, broadcasts the new
+    buckets' indices through a blocking copy down and back (as on a GPU): a host sync outside forward's count (torch's
+    own, once, not the project's queueing)."""
+    def __init__(self, params, *args, **kwargs):
+        self.fake_cuda_device = tag(params[0]) if tag(params[0]).startswith("cuda") else None
+        during("cxx_device", self.fake_cuda_device, super().__init__)(params, *args, **kwargs)
+
+    def _rebuild_buckets(self):
+        return during("phase", None, during("cxx_device", self.fake_cuda_device, super()._rebuild_buckets))()
 
 
 # ---- the CUDA runtime, stubbed: a fake GPU per local rank -----------------------------------------------------
@@ -342,7 +381,7 @@ def nccl_checked(name, fn):
         if any(tag(t) != f"cuda:{state.device}" for _, t in named):
             refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named))
         options = {k: v for k, v in bound.items() if k in ("op", "src", "dst", "group_src", "group_dst")}
-        mismatch = collectives.mismatch(dist, name, [(n, t, identity(t)) for n, t in named], options, call_stack())
+        mismatch = collectives.mismatch(dist, name, identities(name, bound, named), options, call_stack())
         if mismatch:  # issued, it would hang or mix unrelated buffers: stop here, with every finding
             refuse(f"c10d {name}", mismatch)
             sys.stdout.flush()
@@ -518,6 +557,7 @@ def with_kernels(path):
         json.dump(trace, f)
 
 def install():
+    importlib.import_module("torch.distributed.optim")  # TorchScript compiles its optimizers at import: before torch.tensor is ours
     none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
     for name, value in dict(
             is_available=lambda: True, device_count=lambda: int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -548,6 +588,7 @@ def install():
     torch.Tensor.cpu = lambda t, memory_format=torch.preserve_format: t.to("cpu", memory_format=memory_format)
     torch.Tensor.cuda = lambda t, device=None, non_blocking=False, **kwargs: t.to(
         "cuda" if device is None else device, non_blocking=non_blocking)
+    dist.Reducer = Reducer
     dist.init_process_group, threading.Thread.run = init_process_group, run
     threading.Thread.start, threading.Thread.join = start, join
     concurrent.futures.ThreadPoolExecutor.submit = submit
