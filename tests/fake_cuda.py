@@ -389,10 +389,17 @@ def nccl_checked(name, fn):
         state.nccl_stream.wait_stream(issued_on)  # NCCL's stream runs it after the work queued where it was issued
         streams.tensors(fake_streams.NCCL, f"c10d {name}", *fake_streams.collective_tensors(name, named))
         done = state.nccl_stream.record_event()
-        for _, t in named:  # c10d holds its tensors (a reference) until the collective is waited for
+        held = [t for _, t in named]
+        for t in held:  # c10d holds its tensors (a reference) until the collective is waited for
             streams.hold(t, fake_streams.NCCL)
         work = during("collective", True, fn)(*args, **kwargs)
-        join = lambda event: streams.wait(current_stream().id, event.id)  # noqa: E731  (no count: not forward's wait)
+
+        def join(event):  # (no count: not forward's wait)
+            """The wait: the current stream waits for the collective, and c10d lets go of its tensors (torch >= 2.8),
+            whatever stream waited: their deaths are then ordered by the waits of the streams that made them alone."""
+            streams.wait(current_stream().id, event.id)
+            while held:
+                streams.release(held.pop(), fake_streams.NCCL)
         if bound.get("async_op"):
             return fake_streams.Work(work, done, join)
         join(done)  # a blocking collective: the current stream waits for it

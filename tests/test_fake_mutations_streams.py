@@ -16,7 +16,9 @@ the line where the unordered access (or the mismatched collective, or the free) 
     stage1.py: the norm all-reduced at another size on rank 1  the collective sequences differ across ranks
     stage3.py: the bucket's gradient resize_(0) after its      a free by resize_(0): the nccl stream may still read
       reduce-scatter is issued, before its wait                  it, naming the free and the collective
-    _release: the gradient resize_(0) before b.work.wait()     the same, in offload
+    offload: the same, the wait then in _release               the same, in offload
+    _release: b.work.wait() under the copy stream              c10d lets go of the reduce-scatter's tensors at the
+                                                                 wait: their free, on the compute stream, unordered
     --delayed_update without the swap to the spare shard       the update's thread (a host stream of its own) reads
                                                                  the shard the next step's copies write
     --delayed_update: the norm of the spare shard              the main thread's sum_of_squares against the update's
@@ -97,13 +99,21 @@ BATTERY = {
         at=r"b\.grad\.untyped_storage\(\)\.resize_\(0\)",
         says=r"stream order: memory freed by resize_\(0\): the nccl stream may still use it "
              r"\(c10d reduce_scatter\w* at stage3\.py:{planted}\b"),
+    # (freed just before its wait, the memory is safe by order: nothing runs on its stream in between)
     "free_before_wait": dict(
-        file="offload.py", line=r"^\s*b\.work\.wait\(\)$",
-        new=["b.grad.untyped_storage().resize_(0)  # (planted: freed before the wait)", "b.work.wait()"],
-        flags=[], nproc=1,
+        file="offload.py", line=r"(b\.work = comm\.reduce_scatter\(.*\))",
+        new=[r"\1", "b.grad.untyped_storage().resize_(0)  # (planted: freed before the wait)"], flags=[], nproc=1,
         at=r"b\.grad\.untyped_storage\(\)\.resize_\(0\)",
         says=rf"stream order: memory freed by resize_\(0\): the nccl stream may still use it \(c10d reduce_scatter\w* "
              rf"{COPY}\b"),
+    # c10d lets go of a collective's tensors at wait(): a wait on another stream leaves their frees unordered
+    "reduce_scatter_waited_on_the_copy_stream": dict(
+        file="offload.py", line=r"^\s*b\.work\.wait\(\)$",
+        new=["with torch.cuda.stream(self.copies.stream):", "    b.work.wait()  # (planted: the copy stream waits)"],
+        flags=[], nproc=1,
+        at=r"b\.grad = b\.reduced = b\.work = None",
+        says=rf"stream order: memory freed: the nccl stream may still use it \(c10d reduce_scatter\w* {COPY}"
+             r"( \(via [^)]*\))?\): no wait for it on the compute stream"),
     # a host thread is a host stream of its own, its work ordered only by what the main thread waits on
     "update_on_the_shard_the_copies_fill": dict(
         file="offload.py", line=r"self\.grad_shard, self\.spare_grad_shard = self\.spare_grad_shard, self\.grad_shard",
