@@ -10,7 +10,11 @@ pinned cpu), the CUDA runtime is stubbed, the process group is gloo, real number
 file:line, the op, and the tensors' devices (a host tensor's with the line that made it):
   - an op whose non-scalar tensors are not all on one device: a kernel reads one device's memory (a 0-dim host
     tensor is passed as a scalar; copy_ and .to() cross devices);
-  - a collective with a tensor not on this rank's GPU: NCCL reads and writes GPU memory only;
+  - a collective with a tensor not on the GPU its process group is bound to (init_process_group's device_id, else
+    the current device at its first collective): NCCL reads and writes that GPU's memory only. A rank's current
+    device is CUDA's first until it calls torch.cuda.set_device, and torch's object collectives (all_gather_object,
+    broadcast_object_list, ...) go through it as under NCCL: pickled into a tensor copied up, gathered, copied down
+    (their host syncs counted);
   - the C++ AdamW (an engine's `adam`) given a GPU tensor: it reads host pointers; record_stream on a host tensor;
   - inside forward or backward, or while a batch comes up, a host synchronisation, which stops the host from queueing work ahead of the GPU:
     .item()/float() of a GPU tensor, nonzero(), synchronize(), a copy between device and host unless non_blocking with
@@ -48,7 +52,9 @@ made_at = collections.defaultdict(list)  # __init__); allocation site -> [(numbe
 storages_made = itertools.count()  # each storage's number, in the order they are made
 blocks = weakref.WeakKeyDictionary()  # storage -> its fake_memory.Block (device and pinned storages)
 findings, seen = collections.Counter(), collections.Counter()  # refusals; what was checked (the tests: not nothing)
-state = types.SimpleNamespace(device=int(os.environ.get("LOCAL_RANK", 0)), nccl=False, dirs=[ROOT], compute=None)
+# device: the current device, CUDA's first until torch.cuda.set_device; bound: the device the nccl process group is
+# bound to (its device_id, or the current device at its first collective); host_groups: the gloo groups made beside it
+state = types.SimpleNamespace(device=0, bound=None, nccl=False, dirs=[ROOT], compute=None, host_groups=set())
 
 class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"; in a collective; in Tensor.to; the
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
@@ -58,7 +64,8 @@ flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
             exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
             tensor=torch.tensor, start=threading.Thread.start, join=threading.Thread.join,
-            submit=concurrent.futures.ThreadPoolExecutor.submit)
+            submit=concurrent.futures.ThreadPoolExecutor.submit, new_group=dist.new_group,
+            object_device=dist.distributed_c10d._get_object_coll_device)
 
 
 def tag(t):
@@ -72,7 +79,8 @@ def host(t):
 def shown(name, t):
     """'name cuda[numel]', 'name cpu(pinned)[numel] (made at file:line)'."""
     made = f" (made at {tags.get(t.untyped_storage(), ('', '?'))[1]})" if host(t) else ""
-    device = {"pinned": "cpu(pinned)", f"cuda:{state.device}": "cuda"}.get(tag(t), tag(t))
+    own = state.device if state.bound is None else state.bound  # (another GPU's tensor: named by its index)
+    device = {"pinned": "cpu(pinned)", f"cuda:{own}": "cuda"}.get(tag(t), tag(t))
     return f"{name} {device}[{t.numel()}]{made}"
 
 def tensors(arguments):
@@ -352,8 +360,33 @@ def read_below(name, real_read):
 def init_process_group(backend=None, *args, **kwargs):
     """nccl -> gloo, without device_id; the calls keep NCCL's rules."""
     state.nccl = backend == "nccl"
-    kwargs.pop("device_id", None)
+    device_id = kwargs.pop("device_id", None)
+    if state.nccl and device_id is not None:
+        state.bound = device_id.index if isinstance(device_id, torch.device) else int(device_id)
     return real["init"]("gloo" if state.nccl else backend, *args, **kwargs)
+
+def new_group(*args, **kwargs):
+    """dist.new_group: a group made with backend="gloo" beside nccl is the host's (its tensors live there)."""
+    group = real["new_group"](*args, **kwargs)
+    backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+    if backend is not None and str(backend).lower() == "gloo":
+        state.host_groups.add(group)
+    return group
+
+def object_device(group=None):
+    """The device torch's object collectives (all_gather_object, broadcast_object_list, ...) pickle through: under
+    nccl, the current device (torch.cuda.current_device(), as torch's own _get_object_coll_device picks for nccl),
+    each object a byte tensor copied up and the result copied down; on a gloo group, the host."""
+    if state.nccl and group not in state.host_groups:
+        return "cuda"
+    return real["object_device"](group)
+
+def bound_device():
+    """The device the nccl process group is bound to: its device_id, or (NCCL's lazy binding) the current device at
+    its first collective."""
+    if state.bound is None:
+        state.bound = state.device
+    return state.bound
 
 def during(flag, value, fn):
     """fn, with this thread's flags.<flag> set to value while it runs."""
@@ -367,19 +400,22 @@ def during(flag, value, fn):
     return call
 
 def nccl_checked(name, fn):
-    """torch.distributed.<name> refusing, under nccl, a tensor not on this rank's GPU (the *_object collectives call
-    the module's own functions, left alone: with gloo they run on the host)."""
+    """torch.distributed.<name> refusing, under nccl, a tensor not on the GPU the process group is bound to (the
+    *_object collectives call these too, through the current device: object_device). On a gloo group, and inside
+    another collective (one that calls another), the call as it is."""
     signature = inspect.signature(fn)
     def checked(*args, **kwargs):
-        if not state.nccl:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        if not state.nccl or flags.collective or bound.get("group") in state.host_groups:
             return during("collective", True, fn)(*args, **kwargs)
         seen["collectives"] += 1
         issued_on = current_stream()
         seen["collectives issued on another stream"] += issued_on is not state.compute
-        bound = signature.bind_partial(*args, **kwargs).arguments
         named = tensors(bound.items())
-        if any(tag(t) != f"cuda:{state.device}" for _, t in named):
-            refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named))
+        device = f"cuda:{bound_device()}"
+        if any(tag(t) != device for _, t in named):
+            on = f" (the process group is bound to {device}, the current device is cuda:{state.device})"
+            refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named) + on * (device != f"cuda:{state.device}"))
         options = {k: v for k, v in bound.items() if k in ("op", "src", "dst", "group_src", "group_dst")}
         mismatch = collectives.mismatch(dist, name, identities(name, bound, named), options, call_stack())
         if mismatch:  # issued, it would hang or mix unrelated buffers: stop here, with every finding
@@ -603,8 +639,12 @@ def install():
     for name in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
                  "all_gather_single", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather", "scatter",
                  "all_to_all_single", "send", "recv", "isend", "irecv"):
-        if hasattr(dist, name):
-            setattr(dist, name, nccl_checked(name, getattr(dist, name)))
+        if hasattr(dist, name):  # (torch's object collectives call the module's own: checked there too)
+            checked = nccl_checked(name, getattr(dist, name))
+            setattr(dist, name, checked)
+            setattr(dist.distributed_c10d, name, checked)
+    dist.new_group = dist.distributed_c10d.new_group = new_group
+    dist.distributed_c10d._get_object_coll_device = object_device
     state.compute = Stream(stream_id=fake_streams.csan.DEFAULT_STREAM_ID)
     state.nccl_stream = Stream(stream_id=fake_streams.NCCL)
     import train_gpt
