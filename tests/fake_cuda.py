@@ -34,7 +34,7 @@ that made what is held. A device the project names (device="cpu", .cpu(), .to("c
 whatever its inputs' device.
 """
 import collections, concurrent.futures, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback
-import importlib, itertools, types, weakref
+import importlib, itertools, types, warnings, weakref
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,8 @@ import fake_streams  # stream order: torch's CUDA Sanitizer, fed from the dispat
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 aten = torch.ops.aten
 INDEXING = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)  # (host indices are moved over)
+MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._addmm_activation.default,
+           aten.mv.default, aten.addmv.default)  # cuBLAS's: each (handle, stream) pair keeps a workspace
 tags = weakref.WeakKeyDictionary()  # storage -> (device: "cuda:i", "cpu" or "pinned" (a pinned host buffer), made at)
 origins = weakref.WeakKeyDictionary()  # storage -> (its allocation site, its number: None if made outside an engine's
 made_at = collections.defaultdict(list)  # __init__); allocation site -> [(number, weakref)] of the engines' storages
@@ -54,7 +56,8 @@ blocks = weakref.WeakKeyDictionary()  # storage -> its fake_memory.Block (device
 findings, seen = collections.Counter(), collections.Counter()  # refusals; what was checked (the tests: not nothing)
 # device: the current device, CUDA's first until torch.cuda.set_device; bound: the device the nccl process group is
 # bound to (its device_id, or the current device at its first collective); host_groups: the gloo groups made beside it
-state = types.SimpleNamespace(device=0, bound=None, nccl=False, dirs=[ROOT], compute=None, host_groups=set())
+state = types.SimpleNamespace(device=0, bound=None, nccl=False, dirs=[ROOT], compute=None, host_groups=set(),
+                              sync_debug=0)
 
 class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"; in a collective; in Tensor.to; the
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
@@ -170,6 +173,8 @@ def from_project():
 
 def host_sync(what):
     seen[f"host syncs in {flags.phase or 'the rest'}"] += 1  # the tests count them outside the phases too
+    if state.sync_debug == 1:  # torch.cuda.set_sync_debug_mode("warn"), as torch warns
+        warnings.warn(f"called a synchronizing CUDA operation: {what}")
     if flags.phase:
         refuse(f"host sync in {flags.phase}", what)
 
@@ -204,6 +209,11 @@ class FakeCuda(TorchDispatchMode):
         if func is aten.is_pinned.default:
             return tag(args[0]) == "pinned"
         waits = False if flags.collective else self.check(func, named, want, pin, non_blocking)
+        if func in MATMULS and any(not host(t) for _, t in named):
+            # cuBLAS's handles are per thread; autograd runs a backward's GPU work in a thread of its own per device
+            handle = "backward" if torch._C._current_graph_task_id() != -1 else threading.get_ident()
+            device = int(next(tag(t) for _, t in named if not host(t)).split(":")[1])
+            fake_memory.workspace(device, handle, current_stream().id, where())
         out = args[0].clone() if func is aten._pin_memory.default else func(*args, **kwargs)
         pin = pin or func is aten._pin_memory.default
         new = next((tag(t) for _, t in named if not host(t)), "pinned" if pin else "cpu") if want is None else \
@@ -275,6 +285,7 @@ class Stream:
     def __init__(self, *args, stream_id=None, **kwargs):
         self.id = streams.new_id() if stream_id is None else stream_id
         streams.stream_created(self.id, where())
+    stream_id = property(lambda self: self.id)
     def wait_event(self, event):
         if self is state.compute and event.stream is not self:
             seen[f"compute waits for another stream in {flags.phase}"] += 1
@@ -286,7 +297,8 @@ class Stream:
     def synchronize(self):
         host_sync("synchronize()")
         streams.host_waits_for_stream(self.id)
-    query = lambda self: True
+    def query(self):  # done only once the host is ordered after its work (a copy down returns early)
+        return streams.host_after_stream(self.id)
 
 class Event:
     def __init__(self, *args, **kwargs):
@@ -302,7 +314,8 @@ class Event:
     def synchronize(self):
         host_sync("synchronize()")
         streams.host_waits_for_event(self.id)
-    query = lambda self: True
+    def query(self):
+        return streams.host_after_event(self.id)
     def elapsed_time(self, other):
         return (other.at - self.at) * 1e3
 
@@ -583,7 +596,8 @@ def host_profile(profile):
     return profiled
 
 def with_kernels(path):
-    """The Chrome trace at `path`, each innermost CPU op given a kernel on the compute stream and its launch."""
+    """The Chrome trace at `path`, each innermost CPU op given a kernel on the compute stream (a collective's on the
+    nccl stream) and its launch."""
     with open(path) as f:
         trace = json.load(f)
     ops = sorted((e for e in trace["traceEvents"] if e.get("cat") == "cpu_op"), key=lambda e: (e["tid"], e["ts"]))
@@ -592,7 +606,9 @@ def with_kernels(path):
         after = ops[i + 1] if i + 1 < len(ops) else None
         if after and after["tid"] == e["tid"] and after["ts"] < e["ts"] + e["dur"]:
             continue  # an op inside it: the innermost ops are the kernels
-        args = {"correlation": len(added) + 1, "stream": fake_streams.csan.DEFAULT_STREAM_ID}
+        # a collective's kernel on NCCL's stream of its own (on an H200 stream 7 beside the current stream 0)
+        stream = fake_streams.NCCL if e["name"].startswith("c10d::") else fake_streams.csan.DEFAULT_STREAM_ID
+        args = {"correlation": len(added) + 1, "stream": stream}
         added.append(dict(e, cat="cuda_runtime", name="cudaLaunchKernel", dur=0, args=args))
         added.append(dict(e, cat="kernel", args=args))
     trace["traceEvents"] += added
@@ -619,7 +635,9 @@ def install():
             get_rng_state=lambda d=None: torch.get_rng_state(), _lazy_init=none(),
             set_per_process_memory_fraction=none(), set_rng_state=none()).items():
         setattr(torch.cuda, name, value)
-    torch._C._cuda_clearCublasWorkspaces = lambda: None  # (the fake device's matmuls keep no workspace)
+    torch._C._cuda_clearCublasWorkspaces = fake_memory.clear_workspaces
+    torch.cuda.set_sync_debug_mode = lambda mode: setattr(state, "sync_debug", {"default": 0, "warn": 1}.get(mode, mode))
+    torch.cuda.get_sync_debug_mode = lambda: state.sync_debug
     torch.UntypedStorage.resize_ = resize_
     torch.Tensor.device = property(lambda t: torch.device(tag(t)) if not host(t) else real["device"](t))
     torch.Tensor.is_cuda = property(lambda t: not host(t))

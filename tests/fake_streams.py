@@ -171,6 +171,21 @@ class Model:
             syncs = self.handler.syncs
             syncs._state_wait_for_other(syncs.current_sync_states[self.host()], syncs.current_sync_states[stream])
 
+    def host_after_event(self, event):
+        """Event.query(): whether the calling thread is ordered after everything the event was recorded after."""
+        with self.lock:
+            syncs = self.handler.syncs
+            recorded = syncs.recorded_sync_states.get(event, {})
+            return all(syncs.is_ordered_after(self.host(), seq, s) for s, seq in recorded.items() if seq > 0)
+
+    def host_after_stream(self, stream):
+        """Stream.query(): whether the calling thread is ordered after the work queued on `stream` so far."""
+        with self.lock:
+            syncs = self.handler.syncs
+            syncs._ensure_stream_exists(stream)
+            own = syncs.current_sync_states[stream].get(stream, -1)
+            return own <= 0 or syncs.is_ordered_after(self.host(), own, stream)
+
     def device_synchronize(self):
         """torch.cuda.synchronize(): the calling thread waits for every device stream, not for the other threads."""
         with self.lock:
