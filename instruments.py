@@ -424,7 +424,8 @@ def readable_storages(t):
     """The storages that hold tensor t's memory, each one whose data_ptr() can be read. A wrapper subclass (DTensor:
     FSDP2's parameters, gradients and Adam moments) has a storage of its own with no memory behind it, whose
     data_ptr() raises ("an invalid python storage"): its memory is its inner tensors' (a DTensor's local shard),
-    found through __tensor_flatten__. Any other tensor whose storage cannot be read holds no memory the meter can see."""
+    found through __tensor_flatten__. Any other tensor whose storage cannot be read holds no memory the meter can
+    see."""
     if is_traceable_wrapper_subclass(t):
         inner, _ = t.__tensor_flatten__()
         parts = [getattr(t, name) for name in inner]

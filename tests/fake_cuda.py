@@ -63,6 +63,7 @@ class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
     building = False  # in an engine's __init__
     cxx_device = None  # in DDP's C++ Reducer: its parameters' device ("cuda:i"), where it makes its buckets
+    objects = False  # in one of torch's object collectives (all_gather_object, ...)
 flags = Flags()
 real = dict(device=torch._C.TensorBase.device.__get__, to=torch.Tensor.to, init=dist.init_process_group,
             exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
@@ -173,6 +174,7 @@ def from_project():
 
 def host_sync(what):
     seen[f"host syncs in {flags.phase or 'the rest'}"] += 1  # the tests count them outside the phases too
+    seen["host syncs in object collectives"] += flags.objects  # (of those: under NCCL, 3 + N in an all-gather)
     if state.sync_debug == 1:  # torch.cuda.set_sync_debug_mode("warn"), as torch warns
         warnings.warn(f"called a synchronizing CUDA operation: {what}")
     if flags.phase:
@@ -616,7 +618,8 @@ def with_kernels(path):
         json.dump(trace, f)
 
 def install():
-    importlib.import_module("torch.distributed.optim")  # TorchScript compiles its optimizers at import: before torch.tensor is ours
+    # TorchScript compiles torch.distributed.optim's optimizers at import: before torch.tensor is ours
+    importlib.import_module("torch.distributed.optim")
     none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
     for name, value in dict(
             is_available=lambda: True, device_count=lambda: int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -636,7 +639,8 @@ def install():
             set_per_process_memory_fraction=none(), set_rng_state=none()).items():
         setattr(torch.cuda, name, value)
     torch._C._cuda_clearCublasWorkspaces = fake_memory.clear_workspaces
-    torch.cuda.set_sync_debug_mode = lambda mode: setattr(state, "sync_debug", {"default": 0, "warn": 1}.get(mode, mode))
+    sync_debug = {"default": 0, "warn": 1}
+    torch.cuda.set_sync_debug_mode = lambda mode: setattr(state, "sync_debug", sync_debug.get(mode, mode))
     torch.cuda.get_sync_debug_mode = lambda: state.sync_debug
     torch.UntypedStorage.resize_ = resize_
     torch.Tensor.device = property(lambda t: torch.device(tag(t)) if not host(t) else real["device"](t))
@@ -662,6 +666,8 @@ def install():
             setattr(dist, name, checked)
             setattr(dist.distributed_c10d, name, checked)
     dist.new_group = dist.distributed_c10d.new_group = new_group
+    for name in ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"):
+        setattr(dist, name, during("objects", True, getattr(dist, name)))
     dist.distributed_c10d._get_object_coll_device = object_device
     state.compute = Stream(stream_id=fake_streams.csan.DEFAULT_STREAM_ID)
     state.nccl_stream = Stream(stream_id=fake_streams.NCCL)

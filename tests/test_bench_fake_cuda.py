@@ -3,9 +3,10 @@ bench/compare.py and bench/peers.py at N = 2, as a GPU owner runs them (--device
 on the fake device (tests/fake_cuda_site/sitecustomize.py installs it in every Python process that runs a script,
 FAKE_CUDA=2 GPUs). Each ends with exit code 0 and its table, and no process reports a finding: every op's tensors on
 one device, every collective's on the GPU and the same on both ranks, no host sync in a batch's copy up, no
-stream-order mistake, no device memory past a rank's budget (FAKE_CUDA_FREE_BYTES). bench/largest.py also with one rank's free memory far
-below the other's: the ranks agree on every decision (a collective that differs between them is a finding) and the
-search ends with its row. No assertion depends on the CPU: no timing, no numbers beyond the rows' agreement."""
+stream-order mistake, no device memory past a rank's budget (FAKE_CUDA_FREE_BYTES). bench/largest.py also with one
+rank's free memory far below the other's: the ranks agree on every decision (a collective that differs between them
+is a finding) and the search ends with its row. No assertion depends on the CPU: no timing, no numbers beyond the
+rows' agreement."""
 import json
 import os
 import re
@@ -92,7 +93,8 @@ def test_peers_at_n2(tmp_path):
     and the table has every pair's ratio."""
     out = tmp_path / "out"
     p, reports = on_fake_cuda(tmp_path, "bench/peers.py", "--preset", "tiny", "--steps", "2", "--rounds", "1",
-                              "--batch_size", "4", "--outdir", str(out), "--", "--eval_batches", "1", "--device", "cuda")
+                              "--batch_size", "4", "--outdir", str(out), "--", "--eval_batches", "1",
+                              "--device", "cuda")
     check(p, reports, ranks=2 * 8)
     for _, peer, _, _, label in PAIRS.values():
         assert json.loads((out / f"r0_{peer_pair(peer)}_peer.json").read_text())["device"] == "cuda", peer

@@ -31,8 +31,9 @@ the line where the unordered access (or the mismatched collective, or the free) 
     stage3.py: the first broadcast's root is each rank itself  collectives differ by root
     devices.py: no torch.cuda.set_device (stage1.py, N = 2)    rank 1's first object collective goes through cuda:0,
                                                                  its process group bound to cuda:1
-One rank each, but the collective mismatches and the device binding (two). No assertion depends on the CPU: no timing, no numbers (a race
-with the update's thread is caught at either of its two lines, whichever runs second: both name each other)."""
+One rank each, but the collective mismatches and the device binding (two). No assertion depends on the CPU: no
+timing, no numbers (a race with the update's thread is caught at either of its two lines, whichever runs second: both
+name each other)."""
 import re
 import shutil
 
@@ -175,8 +176,8 @@ BATTERY = {
         file="devices.py", line=r"^\s*torch\.cuda\.set_device\(device\)$", new=["pass  # (planted: no set_device)"],
         run="stage1.py", flags=[], nproc=2,
         at_file="train_gpt.py", at=r"dtype, why = from_rank0\(pick_dtype",  # the first: rank 0's dtype
-        says=r"\(via devices\.py:\d+\) c10d broadcast: tensor cuda:0\[\d+\] \(the process group is bound to cuda:1, the "
-             r"current device is cuda:0\)"),
+        says=r"\(via devices\.py:\d+\) c10d broadcast: tensor cuda:0\[\d+\] \(the process group is bound to "
+             r"cuda:1, the current device is cuda:0\)"),
 }
 
 
