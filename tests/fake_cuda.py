@@ -143,7 +143,8 @@ def identities(name, bound, named):
     """(name, tensor, which buffer it is) of a collective's tensors, each by identity(), but the rank's slice of an
     in-place one (NCCL's rule: an all-gather's input at output + rank * its size, a reduce-scatter's output at input +
     rank * its size; FSDP2 gathers so), which is named as that slice: its offset differs by rank by design. A slice
-    anywhere else keeps its offset, which the other ranks' then show differs."""
+    anywhere else keeps its offset, which the other ranks' then show differs. A gather's list of outputs (a
+    scatter's of inputs) is the root's alone: left out."""
     whole_name, part_name = IN_PLACE.get(name, (None, None))
     whole, part = bound.get(whole_name), bound.get(part_name)
     slice_of = None
@@ -154,7 +155,8 @@ def identities(name, bound, named):
                 and part.storage_offset() * part.element_size() == start
                 and whole.numel() == part.numel() * dist.get_world_size(bound.get("group"))):
             slice_of = f"in place: the rank's slice of {whole_name}"
-    return [(n, t, slice_of if slice_of and n == part_name else identity(t)) for n, t in named]
+    rooted = [n for n, _ in named if n.startswith(("gather_list", "scatter_list"))]
+    return [(n, t, slice_of if slice_of and n == part_name else identity(t)) for n, t in named if n not in rooted]
 
 def this_stack(f):
     while f is not None:
