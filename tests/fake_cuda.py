@@ -28,10 +28,10 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
     call stacks.
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
 stream in forward; collectives issued on another stream. Not modelled: speed. Memory (tests/fake_memory.py): device
-memory allocated, reserved and peak, pinned host memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an
-allocation raises OutOfMemoryError, and a leak (device memory that grows from step to step) refused, naming the line
-that made what is held. A device the project names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives,
-whatever its inputs' device.
+memory allocated, reserved and peak (cuBLAS's workspaces in it, one per thread's handle and stream), pinned host
+memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises OutOfMemoryError, and a leak
+(device memory that grows from step to step) refused, naming the line that made what is held. A device the project
+names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives, whatever its inputs' device.
 """
 import collections, concurrent.futures, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback
 import importlib, itertools, types, warnings, weakref
