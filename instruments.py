@@ -14,6 +14,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from checkpoint import checkpoint_due, gather_master, tied_names
 from comm import comm
@@ -432,15 +433,29 @@ class TimedFuture:
     def __getattr__(self, name):
         return getattr(self.future, name)
 
+def readable_storages(t):
+    """The storages that hold tensor t's memory, each one whose data_ptr() can be read. A wrapper subclass (DTensor:
+    FSDP2's parameters, gradients and Adam moments) has a storage of its own with no memory behind it, whose
+    data_ptr() raises ("an invalid python storage"): its memory is its inner tensors' (a DTensor's local shard),
+    found through __tensor_flatten__. Any other tensor whose storage cannot be read holds no memory the meter can
+    see."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        parts = [getattr(t, name) for name in inner]
+        return [s for part in parts if isinstance(part, torch.Tensor) for s in readable_storages(part)]
+    try:
+        storage = t.untyped_storage()
+        storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return []
+    return [storage]
+
 def storage_bytes(tensors):
     """Bytes of the distinct storages behind `tensors`: views of one buffer count once."""
     seen = {}
     for t in tensors:
-        try:
-            s = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor subclass with no storage of its own (DTensor)
-            continue
-        seen[s.data_ptr(), s.device] = s.nbytes()
+        for s in readable_storages(t):
+            seen[s.data_ptr(), s.device] = s.nbytes()
     return sum(seen.values())
 
 def on_device(t, device):
@@ -521,20 +536,17 @@ def unlisted(engine, listed, device, depth=4):
     that attribute of the buckets): a walk from the engine through lists, tuples, dicts and the objects of this
     project's classes (own_class: buckets, optimizers, copies), not into modules (the model's parameters are in the
     engine's list, or views of it). Each storage counts once, under the first path that reaches it."""
-    seen = {(t.untyped_storage().data_ptr(), t.device) for t in listed if on_device(t, device)}
+    seen = {(s.data_ptr(), s.device) for t in listed if on_device(t, device) for s in readable_storages(t)}
     found = defaultdict(int)
 
     def visit(obj, path, depth):
         if isinstance(obj, torch.Tensor):
             if not on_device(obj, device):
                 return
-            try:
-                storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # a tensor subclass with no storage of its own (DTensor)
-                return
-            if (storage.data_ptr(), obj.device) not in seen:
-                seen.add((storage.data_ptr(), obj.device))
-                found[path] += storage.nbytes()
+            for storage in readable_storages(obj):
+                if (storage.data_ptr(), storage.device) not in seen:
+                    seen.add((storage.data_ptr(), storage.device))
+                    found[path] += storage.nbytes()
             return
         if depth == 0 or isinstance(obj, nn.Module):
             return

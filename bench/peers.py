@@ -36,7 +36,6 @@ sys.path.insert(0, ROOT)
 import torch
 import torch.distributed as dist
 
-import instruments
 import train_gpt
 from results import add_flag as results_flag, publish
 from train_gpt import clip_coef, main, trained
@@ -216,6 +215,7 @@ class FSDP2Peer:
     reshard_after_forward = False
 
     def __init__(self, model, args, device):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         _no_fp16(args)
         self.model, self.args = model, args
@@ -223,9 +223,11 @@ class FSDP2Peer:
         model.float()  # main builds in --dtype; FSDP2's sharded params must be fp32 to be the masters
         low = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]  # main has resolved auto by now
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+        # the mesh on main's device, named: unnamed, FSDP2 takes torch's accelerator, which need not be that device
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
-        fully_shard(model, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
         self.params = list(model.parameters())
         self.padded_numel = sum(p.numel() for p in self.params)
         self.optimizer = torch_adamw(self.params, args)
@@ -426,24 +428,7 @@ def report(pairs, results):
     return text
 
 
-def _storage_bytes_of_subclasses(tensors):
-    """instruments.storage_bytes, but a DTensor counts its local shard, and a tensor subclass without a storage of its own
-    (FSDP2's parameters are DTensors, found by live_tensor_bytes' walk over gc) is skipped instead of raising."""
-    from torch.distributed.tensor import DTensor
-    seen = {}
-    for t in tensors:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        try:
-            s = t.untyped_storage()
-            seen[s.data_ptr(), s.device] = s.nbytes()
-        except RuntimeError:  # "Attempted to access the data pointer on an invalid python storage"
-            continue
-    return sum(seen.values())
-
-
 def worker():
-    instruments.storage_bytes = _storage_bytes_of_subclasses  # main's memory meter, made to survive DTensors
     i = sys.argv.index("--peer")
     name = sys.argv[i + 1] if i + 1 < len(sys.argv) else None
     if name not in PEERS:

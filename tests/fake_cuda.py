@@ -10,7 +10,11 @@ pinned cpu), the CUDA runtime is stubbed, the process group is gloo, real number
 file:line, the op, and the tensors' devices (a host tensor's with the line that made it):
   - an op whose non-scalar tensors are not all on one device: a kernel reads one device's memory (a 0-dim host
     tensor is passed as a scalar; copy_ and .to() cross devices);
-  - a collective with a tensor not on this rank's GPU: NCCL reads and writes GPU memory only;
+  - a collective with a tensor not on the GPU its process group is bound to (init_process_group's device_id, else
+    the current device at its first collective): NCCL reads and writes that GPU's memory only. A rank's current
+    device is CUDA's first until it calls torch.cuda.set_device, and torch's object collectives (all_gather_object,
+    broadcast_object_list, ...) go through it as under NCCL: pickled into a tensor copied up, gathered, copied down
+    (their host syncs counted);
   - the C++ AdamW (an engine's `adam`) given a GPU tensor: it reads host pointers; record_stream on a host tensor;
   - inside forward or backward, or while a batch comes up, a host synchronisation, which stops the host from queueing work ahead of the GPU:
     .item()/float() of a GPU tensor, nonzero(), synchronize(), a copy between device and host unless non_blocking with
@@ -24,13 +28,13 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
     call stacks.
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
 stream in forward; collectives issued on another stream. Not modelled: speed. Memory (tests/fake_memory.py): device
-memory allocated, reserved and peak, pinned host memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an
-allocation raises OutOfMemoryError, and a leak (device memory that grows from step to step) refused, naming the line
-that made what is held. A device the project names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives,
-whatever its inputs' device.
+memory allocated, reserved and peak (cuBLAS's workspaces in it, one per thread's handle and stream), pinned host
+memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises OutOfMemoryError, and a leak
+(device memory that grows from step to step) refused, naming the line that made what is held. A device the project
+names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives, whatever its inputs' device.
 """
 import collections, concurrent.futures, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback
-import itertools, types, weakref
+import importlib, itertools, types, warnings, weakref
 
 import torch
 import torch.distributed as dist
@@ -42,17 +46,24 @@ import fake_streams  # stream order: torch's CUDA Sanitizer, fed from the dispat
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 aten = torch.ops.aten
 INDEXING = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)  # (host indices are moved over)
+MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._addmm_activation.default,
+           aten.mv.default, aten.addmv.default)  # cuBLAS's: each (handle, stream) pair keeps a workspace
 tags = weakref.WeakKeyDictionary()  # storage -> (device: "cuda:i", "cpu" or "pinned" (a pinned host buffer), made at)
 origins = weakref.WeakKeyDictionary()  # storage -> (its allocation site, its number: None if made outside an engine's
 made_at = collections.defaultdict(list)  # __init__); allocation site -> [(number, weakref)] of the engines' storages
 storages_made = itertools.count()  # each storage's number, in the order they are made
 blocks = weakref.WeakKeyDictionary()  # storage -> its fake_memory.Block (device and pinned storages)
 findings, seen = collections.Counter(), collections.Counter()  # refusals; what was checked (the tests: not nothing)
-state = types.SimpleNamespace(device=int(os.environ.get("LOCAL_RANK", 0)), nccl=False, dirs=[ROOT], compute=None)
+# device: the current device, CUDA's first until torch.cuda.set_device; bound: the device the nccl process group is
+# bound to (its device_id, or the current device at its first collective); host_groups: the gloo groups made beside it
+state = types.SimpleNamespace(device=0, bound=None, nccl=False, dirs=[ROOT], compute=None, host_groups=set(),
+                              sync_debug=0)
 
 class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"; in a collective; in Tensor.to; the
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
     building = False  # in an engine's __init__
+    cxx_device = None  # in DDP's C++ Reducer: its parameters' device ("cuda:i"), where it makes its buckets
+    objects = False  # in one of torch's object collectives (all_gather_object, ...)
 flags = Flags()
 def real_device(t):
     """t's real device; a tensor subclass's too (outside.Sharded: torch asks its __torch_function__, which would
@@ -63,7 +74,8 @@ def real_device(t):
 real = dict(device=real_device, to=torch.Tensor.to, init=dist.init_process_group,
             exit=os._exit, run=threading.Thread.run, resize=torch.UntypedStorage.resize_, generator=torch.Generator,
             tensor=torch.tensor, start=threading.Thread.start, join=threading.Thread.join,
-            submit=concurrent.futures.ThreadPoolExecutor.submit)
+            submit=concurrent.futures.ThreadPoolExecutor.submit, new_group=dist.new_group,
+            object_device=dist.distributed_c10d._get_object_coll_device)
 
 
 def tag(t):
@@ -77,7 +89,8 @@ def host(t):
 def shown(name, t):
     """'name cuda[numel]', 'name cpu(pinned)[numel] (made at file:line)'."""
     made = f" (made at {tags.get(t.untyped_storage(), ('', '?'))[1]})" if host(t) else ""
-    device = {"pinned": "cpu(pinned)", f"cuda:{state.device}": "cuda"}.get(tag(t), tag(t))
+    own = state.device if state.bound is None else state.bound  # (another GPU's tensor: named by its index)
+    device = {"pinned": "cpu(pinned)", f"cuda:{own}": "cuda"}.get(tag(t), tag(t))
     return f"{name} {device}[{t.numel()}]{made}"
 
 def tensors(arguments):
@@ -128,6 +141,30 @@ def identity(t):
     k = 1 + sum(n < number for n, _ in live)
     return f"made at {site} #{k} +{t.storage_offset() * t.element_size()}"
 
+# collective: (the whole buffer, the rank's slice of it) when it runs in place
+IN_PLACE = {"all_gather_into_tensor": ("output_tensor", "input_tensor"),
+            "all_gather_single": ("output_tensor", "input_tensor"),
+            "reduce_scatter_tensor": ("input", "output"), "reduce_scatter_single": ("input", "output")}
+
+def identities(name, bound, named):
+    """(name, tensor, which buffer it is) of a collective's tensors, each by identity(), but the rank's slice of an
+    in-place one (NCCL's rule: an all-gather's input at output + rank * its size, a reduce-scatter's output at input +
+    rank * its size; FSDP2 gathers so), which is named as that slice: its offset differs by rank by design. A slice
+    anywhere else keeps its offset, which the other ranks' then show differs. A gather's list of outputs (a
+    scatter's of inputs) is the root's alone: left out."""
+    whole_name, part_name = IN_PLACE.get(name, (None, None))
+    whole, part = bound.get(whole_name), bound.get(part_name)
+    slice_of = None
+    if isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor):
+        size = part.numel() * part.element_size()
+        start = whole.storage_offset() * whole.element_size() + dist.get_rank(bound.get("group")) * size
+        if (part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() and whole.is_contiguous()
+                and part.storage_offset() * part.element_size() == start
+                and whole.numel() == part.numel() * dist.get_world_size(bound.get("group"))):
+            slice_of = f"in place: the rank's slice of {whole_name}"
+    rooted = [n for n, _ in named if n.startswith(("gather_list", "scatter_list"))]
+    return [(n, t, slice_of if slice_of and n == part_name else identity(t)) for n, t in named if n not in rooted]
+
 def this_stack(f):
     while f is not None:
         yield f.f_code.co_filename, f.f_lineno
@@ -146,6 +183,9 @@ def from_project():
 
 def host_sync(what):
     seen[f"host syncs in {flags.phase or 'the rest'}"] += 1  # the tests count them outside the phases too
+    seen["host syncs in object collectives"] += flags.objects  # (of those: under NCCL, 3 + N in an all-gather)
+    if state.sync_debug == 1:  # torch.cuda.set_sync_debug_mode("warn"), as torch warns
+        warnings.warn(f"called a synchronizing CUDA operation: {what}")
     if flags.phase:
         refuse(f"host sync in {flags.phase}", what)
 
@@ -165,6 +205,8 @@ class FakeCuda(TorchDispatchMode):
             return func(*args, **kwargs)
         named = tensors([(a.name, v) for a, v in zip(func._schema.arguments, args)] + list(kwargs.items()))
         want, pin = kwargs.get("device"), kwargs.pop("pin_memory", None)  # pinning needs CUDA: a tag instead
+        if want == torch.device("cpu") and flags.cxx_device and not from_project():  # (DDP's buckets)
+            want = torch.device(flags.cxx_device)
         if isinstance(want, torch.device) and want.type == "cuda":
             want = torch.device("cuda", state.device if want.index is None else want.index)
             kwargs["device"] = torch.device("cpu")
@@ -178,6 +220,11 @@ class FakeCuda(TorchDispatchMode):
         if func is aten.is_pinned.default:
             return tag(args[0]) == "pinned"
         waits = False if flags.collective else self.check(func, named, want, pin, non_blocking)
+        if func in MATMULS and any(not host(t) for _, t in named):
+            # cuBLAS's handles are per thread; autograd runs a backward's GPU work in a thread of its own per device
+            handle = "backward" if torch._C._current_graph_task_id() != -1 else threading.get_ident()
+            device = int(next(tag(t) for _, t in named if not host(t)).split(":")[1])
+            fake_memory.workspace(device, handle, current_stream().id, where())
         out = args[0].clone() if func is aten._pin_memory.default else func(*args, **kwargs)
         pin = pin or func is aten._pin_memory.default
         new = next((tag(t) for _, t in named if not host(t)), "pinned" if pin else "cpu") if want is None else \
@@ -228,6 +275,20 @@ class FakeCuda(TorchDispatchMode):
             refuse(op, ", ".join(shown(n, t) for n, t in named))
 
 
+class Reducer(dist.Reducer):
+    """DDP's C++ Reducer, which makes its buckets (at construction, and again in its first forwards' rebuild) with
+    its parameters' options: on a GPU their device; here the host, which holds the fake device's memory. Its factory
+    calls naming the host are placed on its parameters' device. Its rebuild, once in a run, broadcasts the new
+    buckets' indices through a blocking copy down and back (as on a GPU): a host sync outside forward's count (torch's
+    own, once, not the project's queueing)."""
+    def __init__(self, params, *args, **kwargs):
+        self.fake_cuda_device = tag(params[0]) if tag(params[0]).startswith("cuda") else None
+        during("cxx_device", self.fake_cuda_device, super().__init__)(params, *args, **kwargs)
+
+    def _rebuild_buckets(self):
+        return during("phase", None, during("cxx_device", self.fake_cuda_device, super()._rebuild_buckets))()
+
+
 # ---- the CUDA runtime, stubbed: a fake GPU per local rank -----------------------------------------------------
 class Stream:
     """Ordered by the stream model (tests/fake_streams.py); also recorded: the compute stream (the default one)
@@ -235,6 +296,7 @@ class Stream:
     def __init__(self, *args, stream_id=None, **kwargs):
         self.id = streams.new_id() if stream_id is None else stream_id
         streams.stream_created(self.id, where())
+    stream_id = property(lambda self: self.id)
     def wait_event(self, event):
         if self is state.compute and event.stream is not self:
             seen[f"compute waits for another stream in {flags.phase}"] += 1
@@ -246,7 +308,8 @@ class Stream:
     def synchronize(self):
         host_sync("synchronize()")
         streams.host_waits_for_stream(self.id)
-    query = lambda self: True
+    def query(self):  # done only once the host is ordered after its work (a copy down returns early)
+        return streams.host_after_stream(self.id)
 
 class Event:
     def __init__(self, *args, **kwargs):
@@ -262,7 +325,8 @@ class Event:
     def synchronize(self):
         host_sync("synchronize()")
         streams.host_waits_for_event(self.id)
-    query = lambda self: True
+    def query(self):
+        return streams.host_after_event(self.id)
     def elapsed_time(self, other):
         return (other.at - self.at) * 1e3
 
@@ -320,8 +384,33 @@ def read_below(name, real_read):
 def init_process_group(backend=None, *args, **kwargs):
     """nccl -> gloo, without device_id; the calls keep NCCL's rules."""
     state.nccl = backend == "nccl"
-    kwargs.pop("device_id", None)
+    device_id = kwargs.pop("device_id", None)
+    if state.nccl and device_id is not None:
+        state.bound = device_id.index if isinstance(device_id, torch.device) else int(device_id)
     return real["init"]("gloo" if state.nccl else backend, *args, **kwargs)
+
+def new_group(*args, **kwargs):
+    """dist.new_group: a group made with backend="gloo" beside nccl is the host's (its tensors live there)."""
+    group = real["new_group"](*args, **kwargs)
+    backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+    if backend is not None and str(backend).lower() == "gloo":
+        state.host_groups.add(group)
+    return group
+
+def object_device(group=None):
+    """The device torch's object collectives (all_gather_object, broadcast_object_list, ...) pickle through: under
+    nccl, the current device (torch.cuda.current_device(), as torch's own _get_object_coll_device picks for nccl),
+    each object a byte tensor copied up and the result copied down; on a gloo group, the host."""
+    if state.nccl and group not in state.host_groups:
+        return "cuda"
+    return real["object_device"](group)
+
+def bound_device():
+    """The device the nccl process group is bound to: its device_id, or (NCCL's lazy binding) the current device at
+    its first collective."""
+    if state.bound is None:
+        state.bound = state.device
+    return state.bound
 
 def during(flag, value, fn):
     """fn, with this thread's flags.<flag> set to value while it runs."""
@@ -335,21 +424,24 @@ def during(flag, value, fn):
     return call
 
 def nccl_checked(name, fn):
-    """torch.distributed.<name> refusing, under nccl, a tensor not on this rank's GPU (the *_object collectives call
-    the module's own functions, left alone: with gloo they run on the host)."""
+    """torch.distributed.<name> refusing, under nccl, a tensor not on the GPU the process group is bound to (the
+    *_object collectives call these too, through the current device: object_device). On a gloo group, and inside
+    another collective (one that calls another), the call as it is."""
     signature = inspect.signature(fn)
     def checked(*args, **kwargs):
-        if not state.nccl:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        if not state.nccl or flags.collective or bound.get("group") in state.host_groups:
             return during("collective", True, fn)(*args, **kwargs)
         seen["collectives"] += 1
         issued_on = current_stream()
         seen["collectives issued on another stream"] += issued_on is not state.compute
-        bound = signature.bind_partial(*args, **kwargs).arguments
         named = tensors(bound.items())
-        if any(tag(t) != f"cuda:{state.device}" for _, t in named):
-            refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named))
+        device = f"cuda:{bound_device()}"
+        if any(tag(t) != device for _, t in named):
+            on = f" (the process group is bound to {device}, the current device is cuda:{state.device})"
+            refuse(f"c10d {name}", ", ".join(shown(n, t) for n, t in named) + on * (device != f"cuda:{state.device}"))
         options = {k: v for k, v in bound.items() if k in ("op", "src", "dst", "group_src", "group_dst")}
-        mismatch = collectives.mismatch(dist, name, [(n, t, identity(t)) for n, t in named], options, call_stack())
+        mismatch = collectives.mismatch(dist, name, identities(name, bound, named), options, call_stack())
         if mismatch:  # issued, it would hang or mix unrelated buffers: stop here, with every finding
             refuse(f"c10d {name}", mismatch)
             sys.stdout.flush()
@@ -357,10 +449,17 @@ def nccl_checked(name, fn):
         state.nccl_stream.wait_stream(issued_on)  # NCCL's stream runs it after the work queued where it was issued
         streams.tensors(fake_streams.NCCL, f"c10d {name}", *fake_streams.collective_tensors(name, named))
         done = state.nccl_stream.record_event()
-        for _, t in named:  # c10d holds its tensors (a reference) until the collective is waited for
+        held = [t for _, t in named]
+        for t in held:  # c10d holds its tensors (a reference) until the collective is waited for
             streams.hold(t, fake_streams.NCCL)
         work = during("collective", True, fn)(*args, **kwargs)
-        join = lambda event: streams.wait(current_stream().id, event.id)  # noqa: E731  (no count: not forward's wait)
+
+        def join(event):  # (no count: not forward's wait)
+            """The wait: the current stream waits for the collective, and c10d lets go of its tensors (torch >= 2.8),
+            whatever stream waited: their deaths are then ordered by the waits of the streams that made them alone."""
+            streams.wait(current_stream().id, event.id)
+            while held:
+                streams.release(held.pop(), fake_streams.NCCL)
         if bound.get("async_op"):
             return fake_streams.Work(work, done, join)
         join(done)  # a blocking collective: the current stream waits for it
@@ -508,7 +607,8 @@ def host_profile(profile):
     return profiled
 
 def with_kernels(path):
-    """The Chrome trace at `path`, each innermost CPU op given a kernel on the compute stream and its launch."""
+    """The Chrome trace at `path`, each innermost CPU op given a kernel on the compute stream (a collective's on the
+    nccl stream) and its launch."""
     with open(path) as f:
         trace = json.load(f)
     ops = sorted((e for e in trace["traceEvents"] if e.get("cat") == "cpu_op"), key=lambda e: (e["tid"], e["ts"]))
@@ -517,7 +617,9 @@ def with_kernels(path):
         after = ops[i + 1] if i + 1 < len(ops) else None
         if after and after["tid"] == e["tid"] and after["ts"] < e["ts"] + e["dur"]:
             continue  # an op inside it: the innermost ops are the kernels
-        args = {"correlation": len(added) + 1, "stream": fake_streams.csan.DEFAULT_STREAM_ID}
+        # a collective's kernel on NCCL's stream of its own (on an H200 stream 7 beside the current stream 0)
+        stream = fake_streams.NCCL if e["name"].startswith("c10d::") else fake_streams.csan.DEFAULT_STREAM_ID
+        args = {"correlation": len(added) + 1, "stream": stream}
         added.append(dict(e, cat="cuda_runtime", name="cudaLaunchKernel", dur=0, args=args))
         added.append(dict(e, cat="kernel", args=args))
     trace["traceEvents"] += added
@@ -525,6 +627,8 @@ def with_kernels(path):
         json.dump(trace, f)
 
 def install():
+    # TorchScript compiles torch.distributed.optim's optimizers at import: before torch.tensor is ours
+    importlib.import_module("torch.distributed.optim")
     none = lambda: lambda *args, **kwargs: None  # noqa: E731  (one each: torch._dynamo refuses a function twice)
     for name, value in dict(
             is_available=lambda: True, device_count=lambda: int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -543,7 +647,10 @@ def install():
             get_rng_state=lambda d=None: torch.get_rng_state(), _lazy_init=none(),
             set_per_process_memory_fraction=none(), set_rng_state=none()).items():
         setattr(torch.cuda, name, value)
-    torch._C._cuda_clearCublasWorkspaces = lambda: None  # (the fake device's matmuls keep no workspace)
+    torch._C._cuda_clearCublasWorkspaces = fake_memory.clear_workspaces
+    sync_debug = {"default": 0, "warn": 1}
+    torch.cuda.set_sync_debug_mode = lambda mode: setattr(state, "sync_debug", sync_debug.get(mode, mode))
+    torch.cuda.get_sync_debug_mode = lambda: state.sync_debug
     torch.UntypedStorage.resize_ = resize_
     torch.Tensor.device = property(lambda t: torch.device(tag(t)) if not host(t) else real["device"](t))
     torch.Tensor.is_cuda = property(lambda t: not host(t))
@@ -555,6 +662,7 @@ def install():
     torch.Tensor.cpu = lambda t, memory_format=torch.preserve_format: t.to("cpu", memory_format=memory_format)
     torch.Tensor.cuda = lambda t, device=None, non_blocking=False, **kwargs: t.to(
         "cuda" if device is None else device, non_blocking=non_blocking)
+    dist.Reducer = Reducer
     dist.init_process_group, threading.Thread.run = init_process_group, run
     threading.Thread.start, threading.Thread.join = start, join
     concurrent.futures.ThreadPoolExecutor.submit = submit
@@ -562,8 +670,14 @@ def install():
     for name in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
                  "all_gather_single", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather", "scatter",
                  "all_to_all_single", "send", "recv", "isend", "irecv"):
-        if hasattr(dist, name):
-            setattr(dist, name, nccl_checked(name, getattr(dist, name)))
+        if hasattr(dist, name):  # (torch's object collectives call the module's own: checked there too)
+            checked = nccl_checked(name, getattr(dist, name))
+            setattr(dist, name, checked)
+            setattr(dist.distributed_c10d, name, checked)
+    dist.new_group = dist.distributed_c10d.new_group = new_group
+    for name in ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"):
+        setattr(dist, name, during("objects", True, getattr(dist, name)))
+    dist.distributed_c10d._get_object_coll_device = object_device
     state.compute = Stream(stream_id=fake_streams.csan.DEFAULT_STREAM_ID)
     state.nccl_stream = Stream(stream_id=fake_streams.NCCL)
     import train_gpt

@@ -16,8 +16,12 @@ is kept, cached, and handed out again to a request of its size; host_memory_stat
 allocated_bytes (the blocks owned, active + cached), active_bytes (the blocks handed out), allocations,
 active_requests, num_host_alloc and num_host_free.
 
-A leak: after_step() compares the device memory allocated after each optimizer step with the one before; from the
-third step on, growth beyond LEAK_ALLOWANCE is a finding naming the file:line that made the blocks still held.
+cuBLAS's workspaces (CublasHandlePool.cpp): the first matmul on a (thread's handle, stream) pair allocates one,
+WORKSPACE bytes on the fake device's sm90 (32 MiB, as measured on an H200: tests/gpu_facts_h200.json), through the
+caching allocator, so it counts in memory_allocated and its peak; torch._C._cuda_clearCublasWorkspaces frees them all.
+A leak: after_step() compares the device memory allocated after each optimizer step, less the workspaces, with the one
+before; from the third step on, growth beyond LEAK_ALLOWANCE is a finding naming the file:line that made the blocks
+still held.
 """
 import collections, os, weakref
 
@@ -26,6 +30,7 @@ import torch
 SMALL, ROUND, SEGMENT = 1 << 20, 512, 2 << 20  # the small pool's largest request; block rounding; segment size
 LEAK_ALLOWANCE = 4096  # bytes a step may add to what is allocated (a scalar or two), once the run is steady
 BUDGET = 2**36  # free bytes per rank when FAKE_CUDA_FREE_BYTES is not set
+WORKSPACE = 32 << 20  # one cuBLAS workspace on sm90 (the fake device's capability, (9, 0))
 
 
 class Block:
@@ -54,6 +59,7 @@ blocks = {}  # id(block) -> block, for every live block (device and pinned)
 host = collections.Counter()  # host_memory_stats
 cached = collections.Counter()  # pinned block size -> free blocks kept for reuse
 steps = dict(done=0, allocated=[])  # optimizer steps finished; device memory allocated after each
+workspaces = {}  # (device index, handle, stream) -> the workspace's bytes
 
 
 def device_block(nbytes):
@@ -152,6 +158,22 @@ def resized(block, nbytes, made):
     elif block.size:
         take(memory(int(block.device.split(":")[1])), block.size, made)
 
+def workspace(index, handle, stream, made):
+    """A matmul on device `index` by `handle` (a thread's cuBLAS handle) on `stream`: the pair's workspace, made at
+    its first matmul (OutOfMemoryError where the budget cannot hold it) and kept."""
+    if (index, handle, stream) not in workspaces:
+        take(memory(index), WORKSPACE, made)
+        workspaces[index, handle, stream] = WORKSPACE
+
+def workspace_bytes(index):
+    return sum(size for (i, _, _), size in workspaces.items() if i == index)
+
+def clear_workspaces():
+    """torch._C._cuda_clearCublasWorkspaces: every workspace freed (the next matmul on a pair makes it again)."""
+    for (index, _, _), size in workspaces.items():
+        give(memory(index), size)
+    workspaces.clear()
+
 def empty_cache():
     for m in devices.values():
         m.reserved = m.need()
@@ -176,7 +198,7 @@ def grew(index):
     """Whether the device holds more than after the previous step, by more than the allowance (a leak, if it stays)."""
     if steps["done"] < 2:
         return False
-    return memory(index).allocated - steps["allocated"][-1] > LEAK_ALLOWANCE
+    return memory(index).allocated - workspace_bytes(index) - steps["allocated"][-1] > LEAK_ALLOWANCE
 
 
 def after_step(index):
@@ -184,7 +206,7 @@ def after_step(index):
     than after the previous step, from the third step on (the first steps make Adam's moments and the buffers that
     are then reused)."""
     steps["done"] += 1
-    now = memory(index).allocated
+    now = memory(index).allocated - workspace_bytes(index)  # (the workspaces: cuBLAS's, cleared and made again)
     steps["allocated"].append(now)
     if steps["done"] < 3 or now - steps["allocated"][-2] <= LEAK_ALLOWANCE:
         return None

@@ -18,12 +18,15 @@ On a GPU torch feeds it from its CUDA trace; here the fake device feeds it by ha
     the device (.item()), makes the calling thread wait for that stream;
   - a collective runs on the "nccl" stream, after the stream it was issued on; its work.wait() (or a blocking
     collective's return) makes the current stream wait for it; its tensors' storages are held until then, as c10d
-    holds them (a reference: their death cannot come sooner);
+    holds them (a reference: their death cannot come sooner), and no longer (torch >= 2.8 calls no record_stream:
+    c10d lets go at the wait, on whichever stream waits);
   - memory freed while a stream other than the one it was made on may still use it (no wait since, on that stream or
     on the freeing thread, no record_stream for that stream) would be handed out again on its own stream under that
-    use: refused where it is freed. A storage resized to zero (untyped_storage().resize_(0), ZeRO-3's free) is a free
-    at once, whatever references it, so c10d's reference does not cover it: a collective not yet waited for that may
-    still use it is refused, naming both lines; resized up again it is new memory, made on the current stream.
+    use: refused, naming where it was freed, at the next work on its own stream unless that stream has waited for the
+    use by then (before, nothing can run in the memory handed out again). A storage resized to zero
+    (untyped_storage().resize_(0), ZeRO-3's free) is a free at once, whatever references it, so c10d's reference does
+    not cover it: a collective not yet waited for that may still use it is refused, naming both lines; resized up
+    again it is new memory, made on the current stream.
 Memory is the storage's bytes: each access covers the byte range its tensor spans, so two slices of one buffer used by
 two streams are apart; the ranges are the Sanitizer's "data pointers" (a storage's number and a byte offset, pieces
 split where an access begins or ends).
@@ -53,7 +56,8 @@ class Model:
         self.serial = weakref.WeakKeyDictionary()  # storage -> its number
         self.made_on = {}  # storage number -> the stream it was made on (a device storage)
         self.recorded = {}  # storage number -> the streams record_stream named
-        self.held = {}  # storage number -> the streams whose collectives c10d holds it for (not for a resize_(0))
+        self.held = {}  # storage number -> {stream: how many of its collectives c10d holds it for, until waited}
+        self.pending = []  # (the stream a freed storage was made on, a use it was not ordered after, number, where)
         self.starts = {}  # storage number -> the sorted byte offsets where its pieces start
         self.freed = []  # (storage number, where) freed since the model last ran: checked at its next call
 
@@ -134,6 +138,7 @@ class Model:
             syncs._ensure_stream_exists(stream)
             if stream not in self.hosts:  # launched by this host thread after everything it did so far
                 syncs._state_wait_for_other(syncs.current_sync_states[stream], syncs.current_sync_states[self.host()])
+            self._check_pending(stream)
             aliases = {k: [] for k in read | written}
             for error in self.handler._handle_kernel_launch(stream, read, written, set(), op, aliases):
                 previous = error.previous_access
@@ -166,6 +171,21 @@ class Model:
             syncs = self.handler.syncs
             syncs._state_wait_for_other(syncs.current_sync_states[self.host()], syncs.current_sync_states[stream])
 
+    def host_after_event(self, event):
+        """Event.query(): whether the calling thread is ordered after everything the event was recorded after."""
+        with self.lock:
+            syncs = self.handler.syncs
+            recorded = syncs.recorded_sync_states.get(event, {})
+            return all(syncs.is_ordered_after(self.host(), seq, s) for s, seq in recorded.items() if seq > 0)
+
+    def host_after_stream(self, stream):
+        """Stream.query(): whether the calling thread is ordered after the work queued on `stream` so far."""
+        with self.lock:
+            syncs = self.handler.syncs
+            syncs._ensure_stream_exists(stream)
+            own = syncs.current_sync_states[stream].get(stream, -1)
+            return own <= 0 or syncs.is_ordered_after(self.host(), own, stream)
+
     def device_synchronize(self):
         """torch.cuda.synchronize(): the calling thread waits for every device stream, not for the other threads."""
         with self.lock:
@@ -191,7 +211,16 @@ class Model:
         with self.lock:
             n = self.serial.get(t.untyped_storage())
             if n is not None:
-                self.held.setdefault(n, set()).add(stream)
+                held = self.held.setdefault(n, {})
+                held[stream] = held.get(stream, 0) + 1
+
+    def release(self, t, stream):
+        """c10d lets go of a collective's tensor at its wait() (torch >= 2.8 calls no record_stream): from then on
+        its storage's death is a free like any other, ordered only by the waits of the stream that made it."""
+        with self.lock:
+            held = self.held.get(self.serial.get(t.untyped_storage()), {})
+            if held.get(stream):
+                held[stream] -= 1
 
     def resized(self, storage, nbytes, stream, at):
         """untyped_storage().resize_(nbytes) of a device storage: to zero, a free checked now (c10d's hold does not
@@ -218,7 +247,8 @@ class Model:
     def _check_frees(self):
         while self.freed:
             n, at, host = self.freed.pop(0)  # (at: where it was freed; host: the thread's host stream that freed it)
-            self._check_free(n, at, self.recorded.get(n, set()) | self.held.get(n, set()), "freed", host)
+            held = {stream for stream, count in self.held.get(n, {}).items() if count}
+            self._check_free(n, at, self.recorded.get(n, set()) | held, "freed", host)
             self.made_on.pop(n)
             self.starts.pop(n)
             self.recorded.pop(n, None)
@@ -227,22 +257,33 @@ class Model:
     def _check_free(self, n, at, covered, how, host=None):
         """Storage n's memory freed at `at`: every other stream's use of it must be ordered before its own stream
         (where the allocator hands it out again) or the freeing thread (which launches what uses it next), unless
-        record_stream (or c10d's hold, for a storage's death) named that stream. Its accesses are forgotten."""
+        record_stream (or c10d's hold, for a storage's death) named that stream. A use not ordered so yet is checked
+        again at the next work on its own stream, the first that could run in its memory handed out again (FSDP2
+        frees a gradient its reduce-scatter stream made and the compute stream used, and that stream waits for the
+        compute stream before its next work). Its accesses are forgotten."""
         own = self.made_on[n]
         host = self.host() if host is None else host
         syncs = self.handler.syncs
         accesses = self.handler.tensors_accessed.accesses
-        refused = False
         for x in self.starts[n]:
             info = accesses.pop(n << 40 | x, None)
             for access in ([info.write] + info.reads) if info else []:
-                if refused or access is None or access.stream in (own, *covered):
+                if access is None or access.stream in (own, *covered):
                     continue
                 if not any(syncs.is_ordered_after(s, access.seq_num, access.stream) for s in (own, host)):
-                    self.refuse(f"stream order: memory {how}", f"{name(access.stream)} may still use it "
-                                f"({access.operator} at {line(access.stack_trace, self.where)}): no wait for it "
-                                f"on {name(own)}, where it was made, and no record_stream", at)
-                    refused = True
+                    self.pending.append((own, access, n, at, how))
+
+    def _check_pending(self, stream):
+        """Work on `stream`: each use of memory freed from it that it is not ordered after is refused, where freed."""
+        syncs = self.handler.syncs
+        refused = set()
+        for own, access, n, at, how in [p for p in self.pending if p[0] == stream]:
+            if (n, at) not in refused and not syncs.is_ordered_after(stream, access.seq_num, access.stream):
+                self.refuse(f"stream order: memory {how}", f"{name(access.stream)} may still use it "
+                            f"({access.operator} at {line(access.stack_trace, self.where)}): no wait for it "
+                            f"on {name(own)}, where it was made, and no record_stream", at)
+                refused.add((n, at))
+        self.pending = [p for p in self.pending if p[0] != stream]
 
 
 class Arguments(csan.ArgumentHandler):

@@ -1,18 +1,23 @@
-"""The bench scripts on the fake CUDA device (tests/fake_cuda.py), on this CPU machine: bench/largest.py --quick and
-bench/compare.py at N = 2, as a GPU owner runs them (--device cuda), each stage process they start on the fake device
-(tests/fake_cuda_site/sitecustomize.py installs it in every Python process that runs a script, FAKE_CUDA=2 GPUs). Each
-ends with exit code 0 and its table, and no process reports a finding: every op's tensors on one device, every
-collective's on the GPU and the same on both ranks, no host sync in a batch's copy up, no stream-order mistake, no
-device memory past a rank's budget (FAKE_CUDA_FREE_BYTES). bench/largest.py also with one rank's free memory far
-below the other's: the ranks agree on every decision (a collective that differs between them is a finding) and the
-search ends with its row. No assertion depends on the CPU: no timing, no numbers beyond the rows' agreement."""
+"""The bench scripts on the fake CUDA device (tests/fake_cuda.py), on this CPU machine: bench/largest.py --quick,
+bench/compare.py and bench/peers.py at N = 2, as a GPU owner runs them (--device cuda), each stage process they start
+on the fake device (tests/fake_cuda_site/sitecustomize.py installs it in every Python process that runs a script,
+FAKE_CUDA=2 GPUs). Each ends with exit code 0 and its table, and no process reports a finding: every op's tensors on
+one device, every collective's on the GPU and the same on both ranks, no host sync in a batch's copy up, no
+stream-order mistake, no device memory past a rank's budget (FAKE_CUDA_FREE_BYTES). bench/largest.py also with one
+rank's free memory far below the other's: the ranks agree on every decision (a collective that differs between them
+is a finding) and the search ends with its row. No assertion depends on the CPU: no timing, no numbers beyond the
+rows' agreement."""
 import json
 import os
+import re
 import subprocess
 import sys
 
 
 from conftest import ROOT, last_lines
+
+sys.path.insert(0, str(ROOT / "bench"))
+from peers import PAIRS  # noqa: E402
 
 SITE = str(ROOT / "tests" / "fake_cuda_site")
 
@@ -57,13 +62,14 @@ def test_largest_quick_at_n2(tmp_path):
 
 
 def test_largest_with_one_rank_short_of_memory(tmp_path):
-    """Rank 1 has 38 MiB free, rank 0 56 GiB: the ranks take the lower reading and every verdict together, and the
+    """Rank 1 has 102 MiB free (38 MiB once the warm-up's two cuBLAS workspaces, 32 MiB each, hold theirs), rank 0
+    56 GiB: the ranks take the lower reading and every verdict together, and the
     search ends with its row. Each probe's engine must be let go of before the next: held (its gradient hooks keep it
     alive), a probe that no longer fits leaves its states on rank 1, whose next, smaller probe then runs out of memory
     in the engine, where rank 0 waits for it in a collective, and the run stops."""
     out = tmp_path / "out"
     p, reports = on_fake_cuda(tmp_path, "bench/largest.py", "--quick", "--world_sizes", "2", "--stages", "stage3",
-                              "--device", "cuda", "--out_dir", str(out), free_bytes="6e10,4e7")
+                              "--device", "cuda", "--out_dir", str(out), free_bytes="6e10,1.07e8")
     check(p, reports, ranks=2)
     rows = json.loads((out / "largest.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["largest_layers"] > 0, rows
@@ -78,6 +84,26 @@ def test_compare_at_n2(tmp_path):
     assert "| offload | 2 |" in (out / "table.md").read_text()
     for stage in ("stage0", "stage1", "stage2", "stage3", "offload"):
         assert json.loads((out / f"{stage}_n2.json").read_text())["device"] == "cuda", stage
+
+
+def test_peers_at_n2(tmp_path):
+    """Every pair of bench/peers.py at its smallest size (tiny preset, 2 steps, one round) with --device cuda: each
+    stage and its torch peer (DDP, whose C++ Reducer makes its buckets; ZeroRedundancyOptimizer; FSDP2, whose
+    all-gathers run in place, its input each rank's own slice of the output, on streams of its own) refused nothing,
+    and the table has every pair's ratio."""
+    out = tmp_path / "out"
+    p, reports = on_fake_cuda(tmp_path, "bench/peers.py", "--preset", "tiny", "--steps", "2", "--rounds", "1",
+                              "--batch_size", "4", "--outdir", str(out), "--", "--eval_batches", "1",
+                              "--device", "cuda")
+    check(p, reports, ranks=2 * 8)
+    for _, peer, _, _, label in PAIRS.values():
+        assert json.loads((out / f"r0_{peer_pair(peer)}_peer.json").read_text())["device"] == "cuda", peer
+        assert re.search(rf"^\| {re.escape(label)} \| [\d,]+ \| [\d,]+ \| \d+\.\d{{3}} \|", p.stdout, re.M), label
+
+
+def peer_pair(peer):
+    """The pair whose peer is `peer` (bench/peers.py names each run's files after its pair)."""
+    return next(pair for pair, (_, name, _, _, _) in PAIRS.items() if name == peer)
 
 
 # bench/timeline.py at N = 2 on the fake device is a step of tests/gpu_check.sh (tests/test_gpu_check.py).

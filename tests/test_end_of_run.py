@@ -69,8 +69,9 @@ def test_one_host_sync_per_step(tmp_path, script, most, steps):
     inside each optimizer step at most one for stages 0-3 (clip_coef's: skip the step or not) and two for offload
     (its wait for the gradient shard on the host, and its one read of the global norm); two more at each step that
     logs (every steps // 10th: the losses and the norms since the last, read at once), and a few more at the run's
-    start, its evaluation, its measured step and its end; never the loss's and the norm's at every step. (Offload
-    runs 6 steps: the count inside each step needs no more.)"""
+    start, its evaluation, its measured step and its end, besides those of its object collectives (all_gather_object
+    and the like, which NCCL runs through the device: their bytes copied up and down); never the loss's and the
+    norm's at every step. (Offload runs 6 steps: the count inside each step needs no more.)"""
     from test_fake_cuda import audit
     job, reports = audit(tmp_path, ROOT / script, "--steps", str(steps), "--eval_every", "1000")
     assert job.returncode == 0 and all(reports), "\n".join(last_lines(job.stdout + job.stderr, 30))
@@ -78,6 +79,6 @@ def test_one_host_sync_per_step(tmp_path, script, most, steps):
     for r in reports:
         in_step = r["seen"].get("most host syncs in one step", 0)
         assert in_step <= most, f"{script}, rank {r['rank']}: {in_step} host syncs in one optimizer step, not {most}"
-        syncs = r["seen"].get("host syncs in the rest", 0)
+        syncs = r["seen"].get("host syncs in the rest", 0) - r["seen"].get("host syncs in object collectives", 0)
         assert syncs <= most * steps + 2 * logged + 20, (f"{script}, rank {r['rank']}: {syncs} host syncs in {steps} "
                                                          f"steps ({logged} of them logged): more than {most} a step")

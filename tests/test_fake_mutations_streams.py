@@ -16,7 +16,9 @@ the line where the unordered access (or the mismatched collective, or the free) 
     stage1.py: the norm all-reduced at another size on rank 1  the collective sequences differ across ranks
     stage3.py: the bucket's gradient resize_(0) after its      a free by resize_(0): the nccl stream may still read
       reduce-scatter is issued, before its wait                  it, naming the free and the collective
-    _release: the gradient resize_(0) before b.work.wait()     the same, in offload
+    offload: the same, the wait then in _release               the same, in offload
+    _release: b.work.wait() under the copy stream              c10d lets go of the reduce-scatter's tensors at the
+                                                                 wait: their free, on the compute stream, unordered
     --delayed_update without the swap to the spare shard       the update's thread (a host stream of its own) reads
                                                                  the shard the next step's copies write
     --delayed_update: the norm of the spare shard              the main thread's sum_of_squares against the update's
@@ -27,9 +29,13 @@ the line where the unordered access (or the mismatched collective, or the free) 
                                                                  all-gather's output made by another storage
     the norm all-reduced with another ReduceOp on rank 1       collectives differ by ReduceOp
     stage3.py: the first broadcast's root is each rank itself  collectives differ by root
-One rank each, but the collective mismatches (two). No assertion depends on the CPU: no timing, no numbers (a race
-with the update's thread is caught at either of its two lines, whichever runs second: both name each other)."""
+    devices.py: no torch.cuda.set_device (stage1.py, N = 2)    rank 1's first object collective goes through cuda:0,
+                                                                 its process group bound to cuda:1
+One rank each, but the collective mismatches and the device binding (two). No assertion depends on the CPU: no
+timing, no numbers (a race with the update's thread is caught at either of its two lines, whichever runs second: both
+name each other)."""
 import re
+import shutil
 
 import pytest
 
@@ -97,13 +103,21 @@ BATTERY = {
         at=r"b\.grad\.untyped_storage\(\)\.resize_\(0\)",
         says=r"stream order: memory freed by resize_\(0\): the nccl stream may still use it "
              r"\(c10d reduce_scatter\w* at stage3\.py:{planted}\b"),
+    # (freed just before its wait, the memory is safe by order: nothing runs on its stream in between)
     "free_before_wait": dict(
-        file="offload.py", line=r"^\s*b\.work\.wait\(\)$",
-        new=["b.grad.untyped_storage().resize_(0)  # (planted: freed before the wait)", "b.work.wait()"],
-        flags=[], nproc=1,
+        file="offload.py", line=r"(b\.work = comm\.reduce_scatter\(.*\))",
+        new=[r"\1", "b.grad.untyped_storage().resize_(0)  # (planted: freed before the wait)"], flags=[], nproc=1,
         at=r"b\.grad\.untyped_storage\(\)\.resize_\(0\)",
         says=rf"stream order: memory freed by resize_\(0\): the nccl stream may still use it \(c10d reduce_scatter\w* "
              rf"{COPY}\b"),
+    # c10d lets go of a collective's tensors at wait(): a wait on another stream leaves their frees unordered
+    "reduce_scatter_waited_on_the_copy_stream": dict(
+        file="offload.py", line=r"^\s*b\.work\.wait\(\)$",
+        new=["with torch.cuda.stream(self.copies.stream):", "    b.work.wait()  # (planted: the copy stream waits)"],
+        flags=[], nproc=1,
+        at=r"b\.grad = b\.reduced = b\.work = None",
+        says=rf"stream order: memory freed: the nccl stream may still use it \(c10d reduce_scatter\w* {COPY}"
+             r"( \(via [^)]*\))?\): no wait for it on the compute stream"),
     # a host thread is a host stream of its own, its work ordered only by what the main thread waits on
     "update_on_the_shard_the_copies_fill": dict(
         file="offload.py", line=r"self\.grad_shard, self\.spare_grad_shard = self\.spare_grad_shard, self\.grad_shard",
@@ -157,6 +171,13 @@ BATTERY = {
         at=r"dist\.broadcast\(b\.param",
         says=r"c10d broadcast: collective #\d+ differs across ranks: rank \d broadcast\(.*src=\d\), "
              r"rank \d broadcast\(.*src=\d\) at stage3\.py:\d+"),
+    # a rank is bound to no GPU of its own until it sets one; torch's object collectives go through the current one
+    "set_device_dropped": dict(
+        file="devices.py", line=r"^\s*torch\.cuda\.set_device\(device\)$", new=["pass  # (planted: no set_device)"],
+        run="stage1.py", flags=[], nproc=2,
+        at_file="train_gpt.py", at=r"dtype, why = from_rank0\(pick_dtype",  # the first: rank 0's dtype
+        says=r"\(via devices\.py:\d+\) c10d broadcast: tensor cuda:0\[\d+\] \(the process group is bound to "
+             r"cuda:1, the current device is cuda:0\)"),
 }
 
 
@@ -164,6 +185,10 @@ BATTERY = {
 def test_planted_stream_mistake_is_refused(tmp_path, mistake):
     m = BATTERY[mistake]
     script, planted = changed(tmp_path, m["file"], m["line"], *m["new"], after=m.get("after"))
+    run = script
+    if m.get("run"):  # a stage run beside the changed file, which it imports in its place
+        run = script.parent / m["run"]
+        shutil.copy(ROOT / m["run"], run)
     at_file = m.get("at_file", m["file"])  # where the finding is: the changed file, or one it calls
     text = script.read_text() if at_file == m["file"] else (ROOT / at_file).read_text()
     at = []  # the line the finding names; for a race with a thread, either of its lines (whichever ran second)
@@ -172,7 +197,7 @@ def test_planted_stream_mistake_is_refused(tmp_path, mistake):
         assert len(lines) == 1, f"{mistake}: {len(lines)} lines of {at_file} match {pattern!r}: update this test"
         at.append(f"{at_file}:{lines[0]}")
     says = m["says"].replace("{planted}", str(planted)).replace("{next}", str(planted + 1))
-    job, reports = audit(tmp_path, script, *m["flags"], nproc=m["nproc"], env={"FAKE_CUDA_COLLECTIVE_TIMEOUT": "30"})
+    job, reports = audit(tmp_path, run, *m["flags"], nproc=m["nproc"], env={"FAKE_CUDA_COLLECTIVE_TIMEOUT": "30"})
     found = sorted({f for r in reports if r for f in r["findings"]})
     new_lines = script.read_text().splitlines()[planted - 1:planted - 1 + len(m["new"])]
     planted = f"{m['file']}:{planted} ({' / '.join(line.strip() for line in new_lines)!r})"

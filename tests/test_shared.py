@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+import instruments
 from instruments import PeakMemory
 from train_gpt import lr_at, train_step
 
@@ -93,6 +94,44 @@ def test_peak_meter_counts_what_lives_at_entry():
     with PeakMemory(torch.device("cpu")) as meter:
         pass
     assert meter.peak >= held.numel(), f"a {held.numel():,}-byte tensor alive throughout, peak {meter.peak:,}"
+
+
+class Wrapper(torch.Tensor):
+    """A tensor subclass that wraps another, as DTensor (FSDP2's parameters, gradients and Adam moments) wraps its
+    local shard: its own storage has no memory behind it."""
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return Wrapper(inner["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types_, args=(), kwargs=None):
+        raise NotImplementedError(f"{func}: this wrapper only holds a tensor")
+
+
+def test_memory_meter_reads_a_wrapper_through_the_tensor_it_holds():
+    """The storage that stopped bench/peers.py's FSDP2 runs: a wrapper subclass's, whose data_ptr() raises. The meter
+    never reads it, and counts the tensor it wraps instead (once, beside that tensor itself): in storage_bytes, and in
+    unlisted's walk of an engine, which still names a wrapped tensor the engine's list leaves out."""
+    shard, hidden = torch.zeros(1000), torch.zeros(250)
+    wrapped = Wrapper(shard)
+    with pytest.raises(RuntimeError, match="invalid python storage"):
+        wrapped.untyped_storage().data_ptr()
+    assert instruments.storage_bytes([wrapped]) == 4000, "a wrapper counts the tensor it wraps"
+    assert instruments.storage_bytes([wrapped, shard]) == 4000, "the wrapped tensor counts once"
+    engine = types.SimpleNamespace(params=[wrapped], copy=Wrapper(hidden))
+    cpu = torch.device("cpu")
+    assert instruments.unlisted(engine, [shard], cpu) == {"copy": 1000}, "a listed shard's wrapper is listed"
+    assert instruments.unlisted(engine, [], cpu) == {"params[*]": 4000, "copy": 1000}
 
 
 def summary(stage, states_measured, comm_measured):
