@@ -70,7 +70,7 @@ class CommLedger:
         return op
 
     def _issue(self, name, tensors, sent):
-        """The timeline's record of a collective about to be issued (sent: the bytes counted); None without --timeline."""
+        """The timeline's record of a collective about to be issued, with the bytes counted; None without --timeline."""
         return self.timeline.issue(name, tensors, sent) if self.timeline is not None else None
 
     def _issued(self, record, work, async_op):

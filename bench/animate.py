@@ -74,22 +74,24 @@ def event(moment, held, before):
 
 
 def lesson(stage, moment, before, words=""):
-    """The lesson whose code makes this moment (its fence tag in the stage files), '' where none."""
+    """The lessons whose code makes this moment (their fence tags in the stage files), '' where none."""
+    tags = []
     if "a unit freed" in words:
-        return "[ZeRO-3]"
+        tags.append("[ZeRO-3]")
     if moment.startswith("issue all_gather"):
         if stage in ("stage1", "stage2"):
-            return "[ZeRO-1]"
-        return "[Prefetch]" if before.startswith("all_gather waited") else "[ZeRO-3]"
+            tags.append("[ZeRO-1]")
+        else:
+            tags.append("[Prefetch]" if before.startswith("all_gather waited") else "[ZeRO-3]")
     if moment.startswith("issue reduce_scatter"):
-        return "[ZeRO-1]" if stage == "stage1" else "[ZeRO-2]"
-    if moment.startswith("issue all_reduce"):
-        return "[DDP]" if stage == "stage0" else ""
+        tags.append("[ZeRO-1]" if stage == "stage1" else "[ZeRO-2]")
+    if moment.startswith("issue all_reduce") and stage == "stage0":
+        tags.append("[DDP]")
     if moment.startswith("copy"):
-        return "[Offload] [Copy stream]"
+        tags.append("[Offload] [Copy stream]")
     if moment.startswith("adam_step"):
-        return "[Offload]"
-    return ""
+        tags.append("[Offload]")
+    return " ".join(dict.fromkeys(tags))
 
 
 def holding(sample):
@@ -204,8 +206,14 @@ def check(summary, ranks, data, tolerance=0):
     return wrong
 
 
+def drawn(data):
+    """The frames a GIF shows: those with an event (a moment where the engine's hooks changed nothing has none), and
+    the last."""
+    return [f for f in data[:-1] if f["event"]] + data[-1:]
+
+
 def draw(summary, data, path, fps=3, dpi=64):
-    """The frames that show an event (and the last) as an animated GIF (matplotlib's PillowWriter)."""
+    """The frames drawn() keeps, as an animated GIF (matplotlib's PillowWriter)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -229,7 +237,7 @@ def draw(summary, data, path, fps=3, dpi=64):
     bars, sends, mem = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])
     writer = PillowWriter(fps=fps)
     with writer.saving(fig, str(path), dpi):
-        for f in [f for f in data if f["event"]] + data[-1:]:
+        for f in drawn(data):
             for ax in (bars, sends, mem):
                 ax.clear()
             for r, p in enumerate(f["ranks"]):
@@ -306,7 +314,7 @@ def main():
         print(f"mismatch: {line}")
     t0 = time.perf_counter()
     draw(summary, data, gif)
-    print(f"wrote {gif}: {len(data)} frames, {gif.stat().st_size / 2**10:.0f} KiB, in {time.perf_counter() - t0:.1f} s")
+    print(f"wrote {gif}: {len(drawn(data))} frames of {len(data)} moments, {gif.stat().st_size / 2**10:.0f} KiB, in {time.perf_counter() - t0:.1f} s")
     if wrong:
         raise SystemExit(f"error: {len(wrong)} frame checks failed (above)")
 

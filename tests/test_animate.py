@@ -1,0 +1,122 @@
+"""bench/animate.py: the frames of a measured step agree with the run's own ledgers, for every stage on 2 ranks; each
+check fails on a planted slip (a unit never freed, in the frame data and in a copy of stage3.py; the peak's
+allocation lost; a collective the frames never issue; a collective's bytes miscounted). Six runs of a tiny GPT, one
+of them drawn."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, last_lines
+
+sys.path.insert(0, str(ROOT / "bench"))
+import animate  # noqa: E402
+from timeline import run  # noqa: E402
+
+MODEL = ["--steps", "2", "--preset", "tiny"]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """recorded(script) -> (summary, ranks) of a 2-rank, 2-step run of `script` (a path); once each."""
+    done = {}
+
+    def take(script):
+        if script not in done:
+            out = tmp_path_factory.mktemp("animate")
+            run(script, 2, MODEL, out)
+            done[script] = animate.read(out)
+        return done[script]
+    return take
+
+
+@pytest.mark.parametrize("script", ["stage0_ddp.py", "stage1.py", "stage2.py", "stage3.py", "offload.py"])
+def test_frames_agree_with_the_ledgers(recorded, script):
+    summary, ranks = recorded(ROOT / script)
+    data = animate.frames(summary, ranks)
+    assert animate.check(summary, ranks, data) == []
+    events = " | ".join(f["event"] for f in data)
+    # the story each stage tells: what it gathers, frees, reduces and copies
+    assert ("a unit gathered" in events and "a unit freed" in events) == (script in ("stage3.py", "offload.py"))
+    assert ("reduce-scatter" in events) == (script != "stage0_ddp.py")
+    assert ("C++ AdamW" in events and "a copy to the host" in events) == (script == "offload.py")
+    assert "its memory peaks" in events
+    if script == "stage3.py":
+        tags = {tag for f in data for tag in f["lesson"].split()}
+        assert {"[ZeRO-3]", "[Prefetch]", "[ZeRO-2]"} <= tags
+
+
+def gathered_then_kept(ranks, r):
+    """Rank r's holdings as if the first unit it freed had stayed gathered: each later sample keeps its bytes."""
+    ranks = copy.deepcopy(ranks)
+    samples = ranks[r]["holdings"]
+    before = None
+    for i, h in enumerate(samples):
+        params = animate.holding(h)[0].get("params", 0)
+        if before is not None and params < before:
+            for later in samples[i:]:
+                later["beyond"]["kept unit.param"] = before - params
+            return ranks
+        before = params
+    raise AssertionError("rank {r} freed no unit")
+
+
+def test_each_check_fails_on_a_planted_slip(recorded):
+    summary, ranks = recorded(ROOT / "stage3.py")
+    # a unit never freed: the end frame draws more parameters than the ledger measured
+    kept = gathered_then_kept(ranks, 0)
+    wrong = animate.check(summary, kept, animate.frames(summary, kept))
+    assert len(wrong) == 1 and wrong[0].startswith("rank 0: the end frame draws"), wrong
+    # the allocation that made rank 1's peak, lost: no frame reaches the meter's peak
+    lost = copy.deepcopy(ranks)
+    memory = lost[1]["memory"]
+    when, _ = animate.peak_moment(memory)
+    largest = max((e for e in memory["events"] if e[0] <= when), key=lambda e: e[1])
+    memory["events"].remove(largest)
+    wrong = animate.check(summary, lost, animate.frames(summary, lost))
+    assert len(wrong) == 1 and wrong[0].startswith("rank 1: the largest frame holds"), wrong
+    # a reduce-scatter the frames never issue (its moment lost): not the timeline's sequence
+    unissued = copy.deepcopy(ranks)
+    samples = unissued[1]["holdings"]
+    samples.remove(next(h for h in samples if h["moment"] == "issue reduce_scatter"))
+    wrong = animate.check(summary, unissued, animate.frames(summary, unissued))
+    assert len(wrong) == 1 and wrong[0].startswith("rank 1: the frames issue"), wrong
+    # an all-gather's bytes halved: the frames no longer send what the comm ledger counted
+    halved = copy.deepcopy(ranks)
+    gather = next(c for c in halved[0]["comm"] if c["name"] == "all_gather")
+    gather["sent"] /= 2
+    wrong = animate.check(summary, halved, animate.frames(summary, halved))
+    assert len(wrong) == 1 and wrong[0].startswith("rank 0: the frames send"), wrong
+
+
+def test_a_unit_never_freed_shows_at_the_end(recorded, tmp_path):
+    """stage3.py with its frees after a unit's backward and before the step taken out: units stay gathered across
+    the step, and the end frame draws them beside the ledger's parameter shard."""
+    source = (ROOT / "stage3.py").read_text()
+    slip = source.replace("            self._free(b)\n            # reduce-scatter", "            # reduce-scatter")
+    slip = slip.replace("        for b in self.buckets:\n            self._free(b)\n", "")
+    assert slip.count("self._free(b)") == source.count("self._free(b)") - 2
+    (tmp_path / "stage3.py").write_text(slip)
+    summary, ranks = recorded(tmp_path / "stage3.py")
+    wrong = animate.check(summary, ranks, animate.frames(summary, ranks))
+    assert [w.split(":")[0] for w in wrong if "the end frame draws" in w] == ["rank 0", "rank 1"], wrong
+
+
+def test_the_command_draws_the_gif(tmp_path):
+    gif = tmp_path / "stage3.gif"
+    cmd = [sys.executable, str(ROOT / "bench" / "animate.py"), "stage3.py", "--nproc", "2", "--preset", "tiny",
+           "--out", str(gif)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 0, "\n".join(last_lines(p.stdout + p.stderr, 25))
+    from PIL import Image
+    summary, ranks = animate.read(tmp_path / "stage3")
+    data = animate.frames(summary, ranks)
+    with Image.open(gif) as im:
+        assert im.n_frames == len(animate.drawn(data))
+    refused = subprocess.run(cmd + ["--steps", "5"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        "error: the animation is of a 2-step run's second step (the memory meter's and the timeline's): leave "
+        "--steps out"]
