@@ -24,11 +24,18 @@ The frames are built from the run's files alone (frames()), and check() holds th
 frame at the step's end draws each rank's model-state bytes as the ledger measured them, the largest memory of a
 frame is the meter's peak, the frames' collectives come in the timeline's order, and their bytes sum to the comm
 ledger's.
+
+    python bench/animate.py stage3.py --nproc 2 --preset tiny --dtype fp32 --results
+
+writes bench/results/animate/stage3.md (what the frames show, and that every check holds: the block in
+bench/README.md), stage3.gif (README.md shows it) and stage3.frames.json (the run's files as read() reads them, from
+which the GIF is drawn: tests/test_animate.py draws it again from them and holds them to the checks).
 """
-import argparse, json, sys, time
+import argparse, json, shutil, sys, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_flag, publish  # noqa: E402
 from timeline import ROOT, run  # noqa: E402
 
 STATES = ["params", "grads", "grad_acc", "master", "adam_m", "adam_v", "nvme_buffers"]
@@ -54,6 +61,27 @@ WORDS = {"issue all_gather": "all-gather issued", "all_gather waited": "all-gath
          "copy to device done": "a copy to the device done", "adam_step done": "the C++ AdamW updated a bucket's shard",
          "push optimizer step": "the optimizer step begins", "step begins": "the step begins",
          "step ends": "the step ends", "the peak": "its memory peaks"}
+
+
+# the timeline's rows whose spans are moments too, whichever thread ran them (--delayed_update's C++ AdamW runs on a
+# thread of its own, the NVMe tier's transfers on a pool), each as its start: (words, lesson)
+SPANS = {"cpu adam": ("the C++ AdamW starts on a bucket's shard", "[Offload]"),
+         "nvme reads": ("the NVMe tier reads a bucket's states", "[NVMe]"),
+         "nvme writes": ("the NVMe tier writes a bucket's states back", "[NVMe]"),
+         "host waits": ("the host waits", "")}
+
+
+def span_moment(span, delayed):
+    """The words and lesson of a span's start; with --delayed_update the C++ AdamW and the host's wait for it are
+    [DPU]'s."""
+    words, tag = SPANS[span["row"]]
+    if span["row"] == "host waits":
+        words = f"the host waits ({span['name']})"
+    if delayed and span["row"] == "cpu adam":
+        return f"{words}, on the update thread", "[DPU]"
+    if delayed and span["name"] == "wait cpu adam":
+        return "the host waits for the delayed update", "[DPU]"
+    return words, tag
 
 
 def event(moment, held, before):
@@ -119,12 +147,14 @@ def read(out_dir):
         holdings = json.loads((out_dir / f"holdings_rank{r}.json").read_text())
         memory = json.loads((out_dir / f"memory_rank{r}.json").read_text())
         comm = sorted((e for e in t["traceEvents"] if e.get("cat") == "communication"), key=lambda e: e["ts"])
+        spans = [e for e in t["traceEvents"] if e.get("cat") in SPANS]
         ranks.append(dict(
             rank=r,
             holdings=[dict(h, t=h["t"] - zero) for h in holdings],
             memory=dict(memory, events=[(ts - zero, n) for ts, n in memory["events"]]),
             comm=[dict(name=e["name"], ts=e["ts"] - zero, end=e["ts"] + e["dur"] - zero, sent=e["args"]["sent"])
-                  for e in comm]))
+                  for e in comm],
+            spans=[dict(row=e["cat"], name=e["name"], ts=e["ts"] - zero) for e in spans]))
     summary = json.loads((out_dir / "run.json").read_text())
     return summary, ranks
 
@@ -159,6 +189,9 @@ def frames(summary, ranks):
             before, held = h["moment"], now
         t, _ = peak_moment(r["memory"])
         moments.append((t, r["rank"], "the peak", WORDS["the peak"], "", None))
+        for span in r["spans"]:
+            words, tag = span_moment(span, summary["args"].get("delayed_update", False))
+            moments.append((span["ts"], r["rank"], f"{span['row']}: {span['name']}", words, tag, None))
     moments.sort(key=lambda m: m[0])
     out = []
     for t, who, moment, words, tag, index in moments:
@@ -212,8 +245,9 @@ def drawn(data):
     return [f for f in data[:-1] if f["event"]] + data[-1:]
 
 
-def draw(summary, data, path, fps=3, dpi=64):
-    """The frames drawn() keeps, as an animated GIF (matplotlib's PillowWriter)."""
+def draw(summary, data, path, fps=3, dpi=64, only=None):
+    """The frames drawn() keeps (only: those of these indices among them), as an animated GIF (matplotlib's
+    PillowWriter)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -237,7 +271,7 @@ def draw(summary, data, path, fps=3, dpi=64):
     bars, sends, mem = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])
     writer = PillowWriter(fps=fps)
     with writer.saving(fig, str(path), dpi):
-        for f in drawn(data):
+        for f in [f for i, f in enumerate(drawn(data)) if only is None or i in only]:
             for ax in (bars, sends, mem):
                 ax.clear()
             for r, p in enumerate(f["ranks"]):
@@ -287,6 +321,25 @@ def draw(summary, data, path, fps=3, dpi=64):
     plt.close(fig)
 
 
+def report(summary, data):
+    """What the frames show, in Markdown: the published result's body."""
+    n = len(data[0]["ranks"])
+    end = data[-1]["ranks"]
+    theory = sum(v["theory"] for v in summary["model_state_bytes"].values())
+    lines = [f"{summary['stage']} on {n} ranks, step {summary['measured_step']} of 2: {len(drawn(data))} frames drawn "
+             f"of {len(data)} measured moments. Every frame check holds: the end frame draws the ledger's model "
+             f"states, the largest frame the meter's peak, the collectives come in the timeline's order and send "
+             f"the comm ledger's bytes.", "",
+             "| rank | model states at the end, MiB | formula, MiB | largest frame (the peak), MiB | sent, MiB |",
+             "|---:|---:|---:|---:|---:|"]
+    for r, p in enumerate(end):
+        states = sum(n for k, n in p["held"].items() if k in STATES)
+        largest = max(f["ranks"][r]["memory"] for f in data)
+        lines.append(f"| {r} | {states / 2**20:.3f} | {theory / 2**20:.3f} | {largest / 2**20:.3f} | "
+                     f"{sum(p['sent'].values()) / 2**20:.3f} |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description="One training step animated from a measured run (a GIF). Options it "
                                 "does not know go to the stage file.")
@@ -294,6 +347,7 @@ def main():
     p.add_argument("--nproc", type=int, default=2, help="ranks")
     p.add_argument("--out", default=None, metavar="GIF", help="default runs/animate/<stage>.gif")
     p.add_argument("--from_dir", action="store_true", help="no run: draw the run already beside the GIF")
+    add_flag(p)
     args, stage_args = p.parse_known_args()
     if "--steps" in stage_args:
         raise SystemExit("error: the animation is of a 2-step run's second step (the memory meter's and the "
@@ -317,6 +371,13 @@ def main():
     print(f"wrote {gif}: {len(drawn(data))} frames of {len(data)} moments, {gif.stat().st_size / 2**10:.0f} KiB, in {time.perf_counter() - t0:.1f} s")
     if wrong:
         raise SystemExit(f"error: {len(wrong)} frame checks failed (above)")
+    if args.results:  # bench/results/animate/<stage>.md, .gif and .frames.json
+        path = publish(f"animate/{gif.stem}", report(summary, data), summary["dtype"], args.results)
+        shutil.copyfile(gif, path.with_suffix(".gif"))
+        keep = ("stage", "dtype", "measured_step", "args", "model_state_bytes", "model_state_bytes_per_rank",
+                "peak_memory_bytes_per_rank", "comm_bytes_per_step")
+        published = dict(summary={k: summary[k] for k in keep}, ranks=ranks)
+        path.with_suffix(".frames.json").write_text(json.dumps(published))
 
 
 if __name__ == "__main__":

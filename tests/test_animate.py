@@ -1,18 +1,21 @@
 """bench/animate.py: the frames of a measured step agree with the run's own ledgers, for every stage on 2 ranks; each
 check fails on a planted slip (a unit never freed, in the frame data and in a copy of stage3.py; the peak's
 allocation lost; a collective the frames never issue; a collective's bytes miscounted). Six runs of a tiny GPT, one
-of them drawn."""
+of them drawn, and the published animation drawn again from its frames."""
 import copy
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from conftest import ROOT, last_lines
 
 sys.path.insert(0, str(ROOT / "bench"))
 import animate  # noqa: E402
+import results  # noqa: E402
 from timeline import run  # noqa: E402
 
 MODEL = ["--steps", "2", "--preset", "tiny"]
@@ -105,18 +108,42 @@ def test_a_unit_never_freed_shows_at_the_end(recorded, tmp_path):
 
 
 def test_the_command_draws_the_gif(tmp_path):
+    """bench/README.md's command, published into tmp_path: its GIF has a frame for each frame drawn() keeps; --steps
+    is refused in one line."""
     gif = tmp_path / "stage3.gif"
     cmd = [sys.executable, str(ROOT / "bench" / "animate.py"), "stage3.py", "--nproc", "2", "--preset", "tiny",
-           "--out", str(gif)]
+           "--dtype", "fp32", "--results", str(tmp_path / "results"), "--out", str(gif)]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert p.returncode == 0, "\n".join(last_lines(p.stdout + p.stderr, 25))
-    from PIL import Image
     summary, ranks = animate.read(tmp_path / "stage3")
     data = animate.frames(summary, ranks)
     with Image.open(gif) as im:
         assert im.n_frames == len(animate.drawn(data))
+    published = json.loads((tmp_path / "results" / "animate" / "stage3.frames.json").read_text())
+    assert published["ranks"] == json.loads(json.dumps(ranks))
     refused = subprocess.run(cmd + ["--steps", "5"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         "error: the animation is of a 2-step run's second step (the memory meter's and the timeline's): leave "
         "--steps out"]
+
+
+def test_the_published_animation_is_its_frames(tmp_path):
+    """bench/results/animate/stage3.*: the frames of the published run pass every check, the page's table is theirs,
+    and the GIF is drawn from them (its first and last frames drawn again here, pixel for pixel)."""
+    folder = results.RESULTS / "animate"
+    published = json.loads((folder / "stage3.frames.json").read_text())
+    summary, ranks = published["summary"], published["ranks"]
+    data = animate.frames(summary, ranks)
+    assert animate.check(summary, ranks, data) == []
+    body = (folder / "stage3.md").read_text().split("\n\n", 1)[1]
+    assert body.strip() == animate.report(summary, data).strip(), "re-run bench/README.md's animate command"
+    last = len(animate.drawn(data)) - 1
+    animate.draw(summary, data, tmp_path / "again.gif", only=(0, last))
+    with Image.open(folder / "stage3.gif") as shown, Image.open(tmp_path / "again.gif") as again:
+        assert shown.n_frames == last + 1, "re-run bench/README.md's animate command"
+        for k, j in ((0, 0), (last, 1)):
+            shown.seek(k)
+            again.seek(j)
+            assert list(shown.convert("RGB").getdata()) == list(again.convert("RGB").getdata()), (
+                f"frame {k} of bench/results/animate/stage3.gif is not its frames': re-run the command")
