@@ -363,6 +363,9 @@ class Timeline:
             self.waits += waits
         self.on, comm.timeline = False, None
         self._write(self._seconds(start), self._seconds(end), kernels)
+        if self.holdings:
+            with open(os.path.join(self.out_dir, f"holdings_rank{self.rank}.json"), "w") as f:
+                json.dump([dict(h, t=round(h["t"] * 1e6, 3)) for h in self.held], f)
 
     def write_memory(self, meter):
         """DIR/memory_rank<r>.json: the memory meter's account of the traced step (on a CPU its allocations and frees,
@@ -421,9 +424,6 @@ class Timeline:
             meta += [dict(ph="M", pid=self.rank, tid=tid, name="thread_name", args=dict(name=row_name(tid))),
                      dict(ph="M", pid=self.rank, tid=tid, name="thread_sort_index", args=dict(sort_index=tid))]
         os.makedirs(self.out_dir, exist_ok=True)
-        if self.holdings:
-            with open(os.path.join(self.out_dir, f"holdings_rank{self.rank}.json"), "w") as f:
-                json.dump([dict(h, t=us(h["t"])) for h in self.held], f)
         with open(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"), "w") as f:
             json.dump(dict(traceEvents=meta + events, displayTimeUnit="ms", otherData=dict(
                 rank=self.rank, stage=self.stage, step=self.step, window_us=[us(t0), us(t1)],
