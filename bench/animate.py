@@ -40,7 +40,8 @@ from timeline import ROOT, run  # noqa: E402
 
 STATES = ["params", "grads", "grad_acc", "master", "adam_m", "adam_v", "nvme_buffers"]
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "grad_acc": "#E8B27E", "master": "#55A868", "adam_m": "#8172B3",
-          "adam_v": "#937860", "nvme_buffers": "#2CA02C", "buffers": "#BBBBBB"}
+          "adam_v": "#937860", "nvme_buffers": "#2CA02C", "buffers": "#BBBBBB",
+          "on disk": "#D62728"}
 
 
 def category(path):
@@ -257,8 +258,10 @@ def draw(summary, data, path, fps=3, dpi=64, only=None):
     n = len(data[0]["ranks"])
     theory = sum(v["theory"] for v in summary["model_state_bytes"].values())
     where = {k: v["where"] for k, v in summary["model_state_bytes"].items()}
+    # the NVMe tier's state file, as the ledger measured it (rank 0's; every rank's file is the same size)
+    disk = summary.get("disk_bytes", {}).get("measured", 0) / 2**20
     widest = max(max(sum(p["held"].values()) + p["flight"].get("buffers", 0) for f in data for p in f["ranks"]),
-                 theory) / 2**20
+                 theory) / 2**20 + disk
     top = max(p["memory"] for f in data for p in f["ranks"]) / 2**20
     times = [f["t"] / 1e3 for f in data]
     lines = [[f["ranks"][r]["memory"] / 2**20 for f in data] for r in range(n)]
@@ -271,7 +274,10 @@ def draw(summary, data, path, fps=3, dpi=64, only=None):
     bars, sends, mem = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])
     writer = PillowWriter(fps=fps)
     with writer.saving(fig, str(path), dpi):
-        for f in [f for i, f in enumerate(drawn(data)) if only is None or i in only]:
+        shown_frames = drawn(data)
+        for number, f in enumerate(shown_frames, 1):
+            if only is not None and number - 1 not in only:
+                continue
             for ax in (bars, sends, mem):
                 ax.clear()
             for r, p in enumerate(f["ranks"]):
@@ -288,6 +294,9 @@ def draw(summary, data, path, fps=3, dpi=64, only=None):
                         if where.get(k) == "host" and whole > 0.06 * widest:
                             bars.text(x + whole / 2, y, "host", ha="center", va="center", fontsize=7, color="white")
                     x += whole
+                if disk:
+                    bars.add_patch(Rectangle((x, y - 0.3), disk, 0.6, color=COLORS["on disk"]))
+                    bars.text(x + disk / 2, y, "disk", ha="center", va="center", fontsize=7, color="white")
                 bars.add_patch(Rectangle((0, y - 0.4), theory / 2**20, 0.8, fill=False, ls="--", lw=1.2))
                 bars.text(widest * 1.02, y, f"live {p['memory'] / 2**20:.2f} MiB", va="center", fontsize=8,
                           color="C3" if r == f["rank"] else "black", weight="bold" if r == f["rank"] else "normal")
@@ -300,7 +309,8 @@ def draw(summary, data, path, fps=3, dpi=64, only=None):
             bars.set_xlabel("MiB held by category (dashed: the formula's model states; hatched: gathered or in "
                             "flight)", fontsize=8)
             bars.tick_params(labelsize=7)
-            bars.legend(handles=[Patch(color=COLORS[k], label=k) for k in shown], fontsize=7, ncol=len(shown),
+            legend = shown + ["on disk"] * bool(disk)
+            bars.legend(handles=[Patch(color=COLORS[k], label=k) for k in legend], fontsize=7, ncol=len(legend),
                         loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
             sends.set_xlim(0, sent_max * 1.05)
             sends.set_title("MiB sent so far (red: in flight)", fontsize=8)
@@ -314,8 +324,9 @@ def draw(summary, data, path, fps=3, dpi=64, only=None):
             mem.set_ylabel("live MiB", fontsize=8)
             mem.tick_params(labelsize=7)
             mem.legend(fontsize=7, loc="lower right", frameon=False, ncol=n)
-            fig.suptitle(f"{summary['stage']} on {n} ranks, step {summary['measured_step']}, "
-                         f"{f['t'] / 1e3:.1f} ms\nrank {f['rank']}: {f['event'] or f['moment']} {f['lesson']}",
+            fig.suptitle(f"{summary['stage']} on {n} ranks, step {summary['measured_step']}, frame {number} of "
+                         f"{len(shown_frames)}, {f['t'] / 1e3:.1f} ms\nrank {f['rank']}: {f['event'] or f['moment']} "
+                         f"{f['lesson']}",
                          fontsize=10)
             writer.grab_frame()
     plt.close(fig)

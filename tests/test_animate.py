@@ -23,15 +23,17 @@ MODEL = ["--steps", "2", "--preset", "tiny"]
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """recorded(script) -> (summary, ranks) of a 2-rank, 2-step run of `script` (a path); once each."""
+    """recorded(script, nproc=2, *options) -> (summary, ranks) of a 2-step run of `script` (a path) on nproc ranks;
+    once each. An option "NVME" is a fresh directory."""
     done = {}
 
-    def take(script):
-        if script not in done:
+    def take(script, nproc=2, *options):
+        if (script, nproc, options) not in done:
             out = tmp_path_factory.mktemp("animate")
-            run(script, 2, MODEL, out)
-            done[script] = animate.read(out)
-        return done[script]
+            given = [str(tmp_path_factory.mktemp("nvme")) if o == "NVME" else o for o in options]
+            run(script, nproc, MODEL + given, out)
+            done[script, nproc, options] = animate.read(out)
+        return done[script, nproc, options]
     return take
 
 
@@ -48,6 +50,25 @@ def test_frames_agree_with_the_ledgers(recorded, script):
     assert "its memory peaks" in events
     if script == "stage3.py":
         tags = {tag for f in data for tag in f["lesson"].split()}
+        assert {"[ZeRO-3]", "[Prefetch]", "[ZeRO-2]"} <= tags
+
+
+@pytest.mark.parametrize("script, nproc, options", [
+    ("stage3.py", 4, ()),
+    ("offload.py", 4, ("--delayed_update", "--offload_params")),
+    ("offload.py", 2, ("--offload_optimizer", "nvme", "--nvme_path", "NVME"))], ids=["stage3-4", "dpu-params-4", "nvme-2"])
+def test_four_ranks_and_offloads_options(recorded, script, nproc, options):
+    summary, ranks = recorded(ROOT / script, nproc, *options)
+    data = animate.frames(summary, ranks)
+    assert len(data[0]["ranks"]) == nproc
+    assert animate.check(summary, ranks, data) == []
+    events = " | ".join(f["event"] for f in data)
+    tags = {tag for f in data for tag in f["lesson"].split()}
+    if "--delayed_update" in options:  # the C++ AdamW on the update thread: the timeline's spans, not the holdings
+        assert "[DPU]" in tags and "on the update thread" in events
+    if "nvme" in options:
+        assert "[NVMe]" in tags and "the NVMe tier reads" in events and "the NVMe tier writes" in events
+    if script == "stage3.py":
         assert {"[ZeRO-3]", "[Prefetch]", "[ZeRO-2]"} <= tags
 
 
@@ -145,5 +166,5 @@ def test_the_published_animation_is_its_frames(tmp_path):
         for k, j in ((0, 0), (last, 1)):
             shown.seek(k)
             again.seek(j)
-            assert list(shown.convert("RGB").getdata()) == list(again.convert("RGB").getdata()), (
+            assert shown.convert("RGB").tobytes() == again.convert("RGB").tobytes(), (
                 f"frame {k} of bench/results/animate/stage3.gif is not its frames': re-run the command")
