@@ -5,6 +5,7 @@ of them drawn, and the published animation drawn again from its frames."""
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT, last_lines
+from test_readme import QUESTION_OF
 
 sys.path.insert(0, str(ROOT / "bench"))
 import animate  # noqa: E402
@@ -70,6 +72,28 @@ def test_four_ranks_and_offloads_options(recorded, script, nproc, options):
         assert "[NVMe]" in tags and "the NVMe tier reads" in events and "the NVMe tier writes" in events
     if script == "stage3.py":
         assert {"[ZeRO-3]", "[Prefetch]", "[ZeRO-2]"} <= tags
+
+
+def course_frames():
+    """course/README.md's animated step: (label, the run's arguments, the captions it names) per question."""
+    text = (ROOT / "course" / "README.md").read_text()
+    section = text[text.index("## The animated step"):]
+    section = section[:section.index("\n## ")]
+    bullets = [" ".join(b.split()) for b in section.split("\n- ")[1:]]
+    return [(b.split(" (", 1)[0], re.search(r"`([^`]+)`", b).group(1).split(), re.findall(r"“(.*?)”", b))
+            for b in bullets]
+
+
+@pytest.mark.parametrize("label, arguments, captions", course_frames(), ids=[c[0] for c in course_frames()])
+def test_the_course_names_frames_the_animation_draws(recorded, label, arguments, captions):
+    """Each frame course/README.md sends a student to, by its caption, is one the named run's animation draws; each
+    names a question of README.md."""
+    assert label in QUESTION_OF.values() and captions, (label, captions)
+    script, *options = arguments
+    summary, ranks = recorded(ROOT / script, 2, *["NVME" if o == "DIR" else o for o in options])
+    drawn = [f"{f['event']} {f['lesson']}" for f in animate.drawn(animate.frames(summary, ranks))]
+    missing = [c for c in captions if not any(c in caption for caption in drawn)]
+    assert not missing, f"{label}: no frame of {' '.join(arguments)} says {missing}"
 
 
 def gathered_then_kept(ranks, r):
