@@ -379,7 +379,9 @@ def main():
         print(f"mismatch: {line}")
     t0 = time.perf_counter()
     draw(summary, data, gif)
-    print(f"wrote {gif}: {len(drawn(data))} frames of {len(data)} moments, {gif.stat().st_size / 2**10:.0f} KiB, in {time.perf_counter() - t0:.1f} s")
+    size = gif.stat().st_size / 2**10
+    print(f"wrote {gif}: {len(drawn(data))} frames of {len(data)} moments, {size:.0f} KiB, in "
+          f"{time.perf_counter() - t0:.1f} s")
     if wrong:
         raise SystemExit(f"error: {len(wrong)} frame checks failed (above)")
     if args.results:  # bench/results/animate/<stage>.md, .gif and .frames.json
