@@ -20,7 +20,8 @@ a frame per measured moment, in the order of the ranks' shared clock:
 - each rank's memory line, the meter's running sum of live tensor bytes, with the moment marked;
 - the bytes each rank has sent so far, by collective (the timeline's collectives, each with the bytes the ledger
   counted for it).
-The frames are built from the run's files alone (frames()), and check() holds them to the run's own ledgers: the
+The step's times are those of a step under the meter's profiler and the holdings' reads (slower than a plain step:
+bench/timeline.py times a step without them). The frames are built from the run's files alone (frames()), and check() holds them to the run's own ledgers: the
 frame at the step's end draws each rank's model-state bytes as the ledger measured them, the largest memory of a
 frame is the meter's peak, the frames' collectives come in the timeline's order, and their bytes sum to the comm
 ledger's.
