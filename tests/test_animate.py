@@ -56,12 +56,13 @@ def test_frames_agree_with_the_ledgers(recorded, script):
 
 
 @pytest.mark.parametrize("script, nproc, options", [
+    ("stage3.py", 1, ()),
     ("stage3.py", 4, ()),
     ("offload.py", 4, ("--delayed_update", "--offload_params")),
     # (the NVMe run course/README.md names: one run for both tests)
     ("offload.py", 2, ("--offload_optimizer", "nvme", "--nvme_path", "NVME", "--nvme_buffer_count", "1"))],
-    ids=["stage3-4", "dpu-params-4", "nvme-2"])
-def test_four_ranks_and_offloads_options(recorded, script, nproc, options):
+    ids=["stage3-1", "stage3-4", "dpu-params-4", "nvme-2"])
+def test_one_and_four_ranks_and_offloads_options(recorded, script, nproc, options):
     summary, ranks = recorded(ROOT / script, nproc, *options)
     data = animate.frames(summary, ranks)
     assert len(data[0]["ranks"]) == nproc
