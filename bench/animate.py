@@ -276,14 +276,44 @@ def draw(summary, data, path, fps=3, dpi=64, only=None):
     grid = fig.add_gridspec(2, 2, height_ratios=[0.8 * rows, 1.5], width_ratios=[3, 1], hspace=0.75, wspace=0.3,
                             top=0.84, bottom=0.12, left=0.07, right=0.98)
     bars, sends, mem = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])
+    # what every frame shares, drawn once: the axes, the legends, the memory lines, a bar per rank and collective
+    bars.set_xlim(0, widest * 1.3)
+    bars.set_ylim(-0.55, n - 0.45)
+    bars.set_yticks(range(n), [f"rank {n - 1 - y}" for y in range(n)], fontsize=8)
+    bars.set_xlabel("MiB held by category (dashed: the formula's model states; hatched: gathered or in flight)",
+                    fontsize=8)
+    bars.tick_params(labelsize=7)
+    legend = shown + ["on disk"] * bool(disk)
+    bars.legend(handles=[Patch(color=COLORS[k], label=k) for k in legend], fontsize=7, ncol=len(legend),
+                loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
+    for r in range(n):
+        bars.add_patch(Rectangle((0, n - 1 - r - 0.4), theory / 2**20, 0.8, fill=False, ls="--", lw=1.2))
+    names = [(r, k) for r in range(n) for k in sorted({k for f in data for k in f["ranks"][r]["sent"]})]
+    sent_bars = sends.barh([f"r{r} {k}" for r, k in names], [0] * len(names), color="#999999")
+    sends.set_xlim(0, sent_max * 1.05)
+    sends.set_title("MiB sent so far (red: in flight)", fontsize=8)
+    sends.tick_params(labelsize=7)
+    markers = []
+    for r in range(n):
+        mem.plot(times, lines[r], lw=1, label=f"rank {r}", color=f"C{r}")
+        markers.append(mem.plot([], [], "o", ms=4, color=f"C{r}")[0])
+    cursor = mem.axvline(0, color="gray", lw=0.8)
+    mem.set_ylim(0, top * 1.1)
+    mem.set_xlabel("ms since the step began", fontsize=8)
+    mem.set_ylabel("live MiB", fontsize=8)
+    mem.tick_params(labelsize=7)
+    mem.legend(fontsize=7, loc="lower right", frameon=False, ncol=n)
+    title = fig.suptitle("", fontsize=10)
     writer = PillowWriter(fps=fps)
+    shown_frames = drawn(data)
     with writer.saving(fig, str(path), dpi):
-        shown_frames = drawn(data)
+        moment = []  # this frame's own artists, removed before the next
         for number, f in enumerate(shown_frames, 1):
             if only is not None and number - 1 not in only:
                 continue
-            for ax in (bars, sends, mem):
-                ax.clear()
+            for artist in moment:
+                artist.remove()
+            moment = []
             for r, p in enumerate(f["ranks"]):
                 y = n - 1 - r
                 x = 0.0
@@ -291,47 +321,30 @@ def draw(summary, data, path, fps=3, dpi=64, only=None):
                     whole = (p["held"].get(k, 0) if k != "buffers" else p["flight"].get("buffers", 0)) / 2**20
                     flying = (p["flight"].get(k, 0) if k != "buffers" else 0) / 2**20
                     if whole:
-                        bars.add_patch(Rectangle((x, y - 0.3), whole - flying, 0.6, color=COLORS[k]))
+                        moment.append(bars.add_patch(Rectangle((x, y - 0.3), whole - flying, 0.6, color=COLORS[k])))
                         if flying:
-                            bars.add_patch(Rectangle((x + whole - flying, y - 0.3), flying, 0.6, facecolor=COLORS[k],
-                                                     hatch="///", edgecolor="white", lw=0))
+                            moment.append(bars.add_patch(Rectangle((x + whole - flying, y - 0.3), flying, 0.6,
+                                                                   facecolor=COLORS[k], hatch="///",
+                                                                   edgecolor="white", lw=0)))
                         if where.get(k) == "host" and whole > 0.06 * widest:
-                            bars.text(x + whole / 2, y, "host", ha="center", va="center", fontsize=7, color="white")
+                            moment.append(bars.text(x + whole / 2, y, "host", ha="center", va="center", fontsize=7,
+                                                    color="white"))
                     x += whole
                 if disk:
-                    bars.add_patch(Rectangle((x, y - 0.3), disk, 0.6, color=COLORS["on disk"]))
-                    bars.text(x + disk / 2, y, "disk", ha="center", va="center", fontsize=7, color="white")
-                bars.add_patch(Rectangle((0, y - 0.4), theory / 2**20, 0.8, fill=False, ls="--", lw=1.2))
-                bars.text(widest * 1.02, y, f"live {p['memory'] / 2**20:.2f} MiB", va="center", fontsize=8,
-                          color="C3" if r == f["rank"] else "black", weight="bold" if r == f["rank"] else "normal")
-                names = sorted(p["sent"])
-                sends.barh([f"r{r} {k}" for k in names], [p["sent"][k] / 2**20 for k in names],
-                           color=["#C44E52" if k in p["in_flight"] else "#999999" for k in names])
-            bars.set_xlim(0, widest * 1.3)
-            bars.set_ylim(-0.55, n - 0.45)
-            bars.set_yticks(range(n), [f"rank {n - 1 - y}" for y in range(n)], fontsize=8)
-            bars.set_xlabel("MiB held by category (dashed: the formula's model states; hatched: gathered or in "
-                            "flight)", fontsize=8)
-            bars.tick_params(labelsize=7)
-            legend = shown + ["on disk"] * bool(disk)
-            bars.legend(handles=[Patch(color=COLORS[k], label=k) for k in legend], fontsize=7, ncol=len(legend),
-                        loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
-            sends.set_xlim(0, sent_max * 1.05)
-            sends.set_title("MiB sent so far (red: in flight)", fontsize=8)
-            sends.tick_params(labelsize=7)
-            for r in range(n):
-                mem.plot(times, lines[r], lw=1, label=f"rank {r}", color=f"C{r}")
-                mem.plot([f["t"] / 1e3], [f["ranks"][r]["memory"] / 2**20], "o", ms=4, color=f"C{r}")
-            mem.axvline(f["t"] / 1e3, color="gray", lw=0.8)
-            mem.set_ylim(0, top * 1.1)
-            mem.set_xlabel("ms since the step began", fontsize=8)
-            mem.set_ylabel("live MiB", fontsize=8)
-            mem.tick_params(labelsize=7)
-            mem.legend(fontsize=7, loc="lower right", frameon=False, ncol=n)
-            fig.suptitle(f"{summary['stage']} on {n} ranks, step {summary['measured_step']}, frame {number} of "
-                         f"{len(shown_frames)}, {f['t'] / 1e3:.1f} ms\nrank {f['rank']}: {f['event'] or f['moment']} "
-                         f"{f['lesson']}",
-                         fontsize=10)
+                    moment.append(bars.add_patch(Rectangle((x, y - 0.3), disk, 0.6, color=COLORS["on disk"])))
+                    moment.append(bars.text(x + disk / 2, y, "disk", ha="center", va="center", fontsize=7,
+                                            color="white"))
+                moment.append(bars.text(widest * 1.02, y, f"live {p['memory'] / 2**20:.2f} MiB", va="center",
+                                        fontsize=8, color="C3" if r == f["rank"] else "black",
+                                        weight="bold" if r == f["rank"] else "normal"))
+                markers[r].set_data([f["t"] / 1e3], [p["memory"] / 2**20])
+            for bar, (r, k) in zip(sent_bars, names):
+                bar.set_width(f["ranks"][r]["sent"].get(k, 0) / 2**20)
+                bar.set_color("#C44E52" if k in f["ranks"][r]["in_flight"] else "#999999")
+            cursor.set_xdata([f["t"] / 1e3])
+            title.set_text(f"{summary['stage']} on {n} ranks, step {summary['measured_step']}, frame {number} of "
+                           f"{len(shown_frames)}, {f['t'] / 1e3:.1f} ms\nrank {f['rank']}: "
+                           f"{f['event'] or f['moment']} {f['lesson']}")
             writer.grab_frame()
     plt.close(fig)
 
