@@ -122,16 +122,20 @@ class Timeline:
     ANCHOR = "timeline: host clock"  # a profiler annotation recorded at a known host moment (on a GPU)
 
     @classmethod
-    def start(cls, out_dir, engine, model, device, rank, stage, step, holdings=False):
+    def start(cls, out_dir, engine, model, device, rank, stage, step, *, holdings=False):
         """A Timeline of training step `step` if --timeline named a directory, else None."""
-        return cls(out_dir, engine, model, device, rank, stage, step, holdings) if out_dir else None
+        return cls(out_dir, engine, model, device, rank, stage, step, holdings=holdings) if out_dir else None
 
-    def __init__(self, out_dir, engine, model, device, rank, stage, step, holdings=False):
+    def __init__(self, out_dir, engine, model, device, rank, stage, step, *, holdings=False):
         import threading, types
         self.out_dir, self.rank, self.stage, self.step = out_dir, rank, stage, step
         # holdings: the traced step is also the memory meter's (a 2-step run, bench/animate.py), and at each moment of
         # the computing thread the engine's holdings are read (hold): DIR/holdings_rank<r>.json
-        self.engine, self.device, self.holdings, self.held, self.tracing = engine, device, holdings, [], False
+        self.engine = engine
+        self.device = device
+        self.holdings = holdings
+        self.held = []  # the holdings read, moment by moment
+        self.tracing = False  # inside the traced step's window
         self.cuda, self.on = device.type == "cuda", True
         self.thread, self.here = threading.get_ident(), lambda: threading.get_ident() == self.thread
         self.stack, self.since = [], None  # the compute row now: the top's label (None: not compute), since when

@@ -21,10 +21,10 @@ a frame per measured moment, in the order of the ranks' shared clock:
 - the bytes each rank has sent so far, by collective (the timeline's collectives, each with the bytes the ledger
   counted for it).
 The step's times are those of a step under the meter's profiler and the holdings' reads (slower than a plain step:
-bench/timeline.py times a step without them). The frames are built from the run's files alone (frames()), and check() holds them to the run's own ledgers: the
-frame at the step's end draws each rank's model-state bytes as the ledger measured them, the largest memory of a
-frame is the meter's peak, the frames' collectives come in the timeline's order, and their bytes sum to the comm
-ledger's.
+bench/timeline.py times a step without them). The frames are built from the run's files alone (frames()), and check()
+holds them to the run's own ledgers: the frame at the step's end draws each rank's model-state bytes as the ledger
+measured them, the largest memory of a frame is the meter's peak, the frames' collectives come in the timeline's order,
+and their bytes sum to the comm ledger's.
 
     python bench/animate.py stage3.py --nproc 2 --preset tiny --dtype fp32 --results
 
