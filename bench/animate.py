@@ -6,7 +6,8 @@ falling to its peak, and the bytes each collective sends.
     python bench/animate.py stage3.py --nproc 2 --preset tiny
     python bench/animate.py offload.py --nproc 2 --preset tiny --delayed_update
 
-Every option it does not know goes to the stage file. It runs the stage for 2 steps with bench/timeline.py's runner
+Every option it does not know goes to the stage file. It runs the stage on the CPU (--device cpu: the CPU's memory
+meter records every allocation and free, a GPU's only the allocator's peak) for 2 steps with bench/timeline.py's runner
 (--timeline DIR): the second step is both the traced one and the memory meter's, so the Timeline also reads the
 engine's holdings at each moment of the computing thread (instruments.Timeline.hold: DIR/holdings_rank<r>.json) and
 the meter's allocations and frees are kept (DIR/memory_rank<r>.json). Then it writes runs/animate/<stage>.gif (--out):
@@ -380,6 +381,10 @@ def main():
     if "--steps" in stage_args:
         raise SystemExit("error: the animation is of a 2-step run's second step (the memory meter's and the "
                          "timeline's): leave --steps out")
+    # the memory line is the CPU meter's allocations and frees; on a GPU the meter keeps only the allocator's peak
+    if any(a in ("--device", "--device=cuda", "--device=auto") for a in stage_args):
+        raise SystemExit("error: the animated step runs on the CPU, whose memory meter records every allocation: "
+                         "leave --device out")
     gif = Path(args.out) if args.out else ROOT / "runs" / "animate" / f"{Path(args.script).stem}.gif"
     out_dir = gif.with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -387,7 +392,7 @@ def main():
         for old in [*out_dir.glob("holdings_rank*.json"), *out_dir.glob("memory_rank*.json")]:
             old.unlink()
         t0 = time.perf_counter()
-        run(Path(args.script).resolve(), args.nproc, ["--steps", "2", *stage_args], out_dir)
+        run(Path(args.script).resolve(), args.nproc, ["--steps", "2", "--device", "cpu", *stage_args], out_dir)
         print(f"ran {args.script} on {args.nproc} ranks in {time.perf_counter() - t0:.1f} s")
     summary, ranks = read(out_dir)
     data = frames(summary, ranks)

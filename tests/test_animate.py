@@ -174,6 +174,9 @@ def test_the_command_draws_the_gif(tmp_path):
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         "error: the animation is of a 2-step run's second step (the memory meter's and the timeline's): leave "
         "--steps out"]
+    refused = subprocess.run(cmd + ["--device", "cuda"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        "error: the animated step runs on the CPU, whose memory meter records every allocation: leave --device out"]
 
 
 def test_the_published_animation_is_its_frames(tmp_path):
