@@ -57,6 +57,7 @@ class CommLedger:
         n = dist.get_world_size()
         self.calls[name] += 1
         self.sent[name] += sends * (n - 1) / n
+        return sends * (n - 1) / n
 
     def _average_first(self, t, op):
         """gloo's AVG sums, then divides: in fp16, the sum of N ranks' loss-scaled gradients can overflow where their
@@ -68,38 +69,38 @@ class CommLedger:
             return dist.ReduceOp.SUM
         return op
 
-    def _issue(self, name, tensors):
-        """The timeline's record of a collective about to be issued; None without --timeline."""
-        return self.timeline.issue(name, tensors) if self.timeline is not None else None
+    def _issue(self, name, tensors, sent):
+        """The timeline's record of a collective about to be issued, with the bytes counted; None without --timeline."""
+        return self.timeline.issue(name, tensors, sent) if self.timeline is not None else None
 
     def _issued(self, record, work, async_op):
         """The collective's handle (timed with --timeline: its wait() is the timeline's)."""
         return self.timeline.issued(record, work, async_op) if record is not None else work
 
     def all_reduce(self, t, op, async_op=False):
-        self._count("all_reduce", 2 * nbytes(t))
+        sent = self._count("all_reduce", 2 * nbytes(t))
         op = self._average_first(t, op)
-        record = self._issue("all_reduce", [t])
+        record = self._issue("all_reduce", [t], sent)
         work = dist.all_reduce(t, op=op, async_op=async_op)
         return self._issued(record, work, async_op)
 
     def reduce_scatter(self, out, inp, op, async_op=False):
-        self._count("reduce_scatter", nbytes(inp))
+        sent = self._count("reduce_scatter", nbytes(inp))
         op = self._average_first(inp, op)
-        record = self._issue("reduce_scatter", [out, inp])
+        record = self._issue("reduce_scatter", [out, inp], sent)
         work = reduce_scatter_tensor(out, inp, op=op, async_op=async_op)
         return self._issued(record, work, async_op)
 
     def all_gather(self, out, inp, async_op=False):
-        self._count("all_gather", nbytes(out))
-        record = self._issue("all_gather", [out, inp])
+        sent = self._count("all_gather", nbytes(out))
+        record = self._issue("all_gather", [out, inp], sent)
         work = all_gather_into_tensor(out, inp, async_op=async_op)
         return self._issued(record, work, async_op)
 
     def broadcast(self, t, src):
         """A model's buffers, before each forward (the GPT has none)."""
-        self._count("broadcast", nbytes(t))
-        record = self._issue("broadcast", [t])
+        sent = self._count("broadcast", nbytes(t))
+        record = self._issue("broadcast", [t], sent)
         work = dist.broadcast(t, src=src)
         return self._issued(record, work, async_op=False)
 

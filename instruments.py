@@ -123,13 +123,20 @@ class Timeline:
     ANCHOR = "timeline: host clock"  # a profiler annotation recorded at a known host moment (on a GPU)
 
     @classmethod
-    def start(cls, out_dir, engine, model, device, rank, stage, step):
+    def start(cls, out_dir, engine, model, device, rank, stage, step, *, holdings=False):
         """A Timeline of training step `step` if --timeline named a directory, else None."""
-        return cls(out_dir, engine, model, device, rank, stage, step) if out_dir else None
+        return cls(out_dir, engine, model, device, rank, stage, step, holdings=holdings) if out_dir else None
 
-    def __init__(self, out_dir, engine, model, device, rank, stage, step):
+    def __init__(self, out_dir, engine, model, device, rank, stage, step, *, holdings=False):
         import threading, types
         self.out_dir, self.rank, self.stage, self.step = out_dir, rank, stage, step
+        # holdings: the traced step is also the memory meter's (a 2-step run, bench/animate.py), and at each moment of
+        # the computing thread the engine's holdings are read (hold): DIR/holdings_rank<r>.json
+        self.engine = engine
+        self.device = device
+        self.holdings = holdings
+        self.held = []  # the holdings read, moment by moment
+        self.tracing = False  # inside the traced step's window
         self.cuda, self.on = device.type == "cuda", True
         self.thread, self.here = threading.get_ident(), lambda: threading.get_ident() == self.thread
         self.stack, self.since = [], None  # the compute row now: the top's label (None: not compute), since when
@@ -227,6 +234,19 @@ class Timeline:
             self.stack[-1] = label
         else:
             self.stack.pop()
+        self.hold(f"{op} {label}" if label else op)
+
+    def hold(self, moment):
+        """The engine's holdings now (with `holdings`, in the traced step, on the computing thread): its model states
+        by category (model_states(), as the ledger reads them) and the tensors its attributes hold beyond them
+        (unlisted: units gathered, gradients in flight, buffers), in bytes, with the host-clock time and the moment."""
+        if not (self.holdings and self.tracing and self.on and self.here()):
+            return
+        states = self.engine.model_states()
+        listed = sum(states.values(), [])
+        self.held.append(dict(t=time.perf_counter(), moment=moment, states={k: storage_bytes(v) for k, v in
+                                                                            states.items()},
+                              beyond=unlisted(self.engine, listed, self.device)))
 
     def _after_forward(self, unit, out, before_engine):
         """Before the engine's forward hooks: the unit's forward is over; after them, back to its caller. On its
@@ -273,15 +293,18 @@ class Timeline:
             return span
         def leave(span):
             span[2] = self.now(stream)
+            self.hold(f"{name} done")
         return enter, leave
 
-    def issue(self, name, tensors):
-        """A collective (comm's) is about to be issued: its record, None when the timeline is off."""
+    def issue(self, name, tensors, sent=0.0):
+        """A collective (comm's) is about to be issued: its record, None when the timeline is off. sent: the bytes the
+        ledger counted for it."""
         if not self.on:
             return None
         mib = max(t.numel() * t.element_size() for t in tensors) / 2**20
-        c = {"name": name, "issued": self.now(), "ends": [], "MiB": mib, "called": time.perf_counter()}
+        c = {"name": name, "issued": self.now(), "ends": [], "MiB": mib, "called": time.perf_counter(), "sent": sent}
         self.collectives.append(c)
+        self.hold(f"issue {name}")
         return c
 
     def issued(self, c, work, async_op):
@@ -293,6 +316,7 @@ class Timeline:
             c["ends"].append(self.now())
         self.calls.append((f"{'issue' if async_op else 'wait'} {name}", c["called"], time.perf_counter()))
         if not async_op:
+            self.hold(f"{name} done")
             return work
         try:
             work.get_future().then(lambda fut: c["ends"].append(self.now()))
@@ -326,7 +350,11 @@ class Timeline:
             with torch.profiler.record_function(self.ANCHOR):
                 pass
             self.profile_anchor = (t + time.perf_counter()) / 2
+        self.tracing = True
+        self.hold("step begins")
         yield
+        self.hold("step ends")
+        self.tracing = False
         end = self.now()
         kernels = None
         if self.cuda:
@@ -340,6 +368,16 @@ class Timeline:
             self.waits += waits
         self.on, comm.timeline = False, None
         self._write(self._seconds(start), self._seconds(end), kernels)
+        if self.holdings:
+            with open(os.path.join(self.out_dir, f"holdings_rank{self.rank}.json"), "w") as f:
+                json.dump([dict(h, t=round(h["t"] * 1e6, 3)) for h in self.held], f)
+
+    def write_memory(self, meter):
+        """DIR/memory_rank<r>.json: the memory meter's account of the traced step (on a CPU its allocations and frees,
+        host-clock microseconds, from the live bytes at its start), and its peak."""
+        events = [[round(t * 1e6, 3), nbytes] for t, nbytes in getattr(meter, "events", [])]
+        with open(os.path.join(self.out_dir, f"memory_rank{self.rank}.json"), "w") as f:
+            json.dump(dict(base=getattr(meter, "base", 0), peak=meter.peak, events=events), f)
 
     def _seconds(self, t):
         return t if isinstance(t, float) else self.anchor[1] + self.anchor[0].elapsed_time(t) / 1e3
@@ -374,7 +412,8 @@ class Timeline:
             if lane == len(lanes):
                 lanes.append(None)
             lanes[lane] = t1 if b is None else b  # busy until then
-            add(c["name"], "communication", a, b, self.ROWS["communication"] + lane, MiB=round(c["MiB"], 3))
+            add(c["name"], "communication", a, b, self.ROWS["communication"] + lane, MiB=round(c["MiB"], 3),
+                sent=c["sent"])
         for row, spans in self.spans.items():
             for span in spans:  # (an NVMe transfer's span carries its MiB)
                 name, a, b = sec(span)
@@ -405,6 +444,7 @@ class TimedWork:
         out = self.work.wait(*args, **kwargs)
         self.record["ends"].append(self.timeline.now())
         self.timeline.calls.append((f"wait {self.record['name']}", t, time.perf_counter()))
+        self.timeline.hold(f"{self.record['name']} waited")
         return out
 
     def __getattr__(self, name):
@@ -622,6 +662,9 @@ class PeakMemory:
             highest = max(highest, running)
             self.largest = max(self.largest, nbytes)
         self.peak = self.base + highest
+        # the events on the host clock (perf_counter seconds; the profiler's are the epoch's nanoseconds)
+        shift = time.time_ns() - time.perf_counter_ns()
+        self.events = [((ns - shift) / 1e9, nbytes) for ns, nbytes in events]
 
 @contextlib.contextmanager
 def timeline(trace_dir, rank, device):
@@ -815,12 +858,13 @@ class Run:
         self.measured = dict(peak=0)  # the measured step's: this rank's holdings, its peak, the bytes it sent
         self.step_times = []  # seconds, of every step neither measured nor profiled
         self.unread = []  # (loss, grad norm) tensors of the steps since the history was last read
-        self.trace = Timeline.start(args.timeline, engine, engine.model, device, rank, stage, step=self.end - 1)
+        # the memory meter's step: step 0 creates Adam's moments, step 1 is the steady state (or a resumed run's first)
+        self.measure_step = self.start if self.start else min(1, self.end - 1)
+        self.trace = Timeline.start(args.timeline, engine, engine.model, device, rank, stage, step=self.end - 1,
+                                    holdings=self.measure_step == self.end - 1)
         self.flops = flops_per_token(engine.model, cfg)  # model FLOPs per token: the TFLOP/s the log and report show
         self.bar = None  # the steps, as steps() shows them
         self.skipped_before = 0  # the steps fp16's scaler had skipped before this one
-        # the memory meter's step: step 0 creates Adam's moments, step 1 is the steady state (or a resumed run's first)
-        self.measure_step = self.start if self.start else min(1, self.end - 1)
         # --profile's step: one no other profiler watches (on a CPU the memory meter's, on a GPU --timeline's, the last)
         if device.type == "cpu":
             watched = {self.measure_step}
@@ -865,6 +909,8 @@ class Run:
             yield self.measured if measuring else None
         if meter:
             self.measured.update(peak=meter.peak, workspace=meter.workspace)
+        if meter and self.trace and self.trace.holdings:  # the memory line of the step the timeline traced too
+            self.trace.write_memory(meter)
         elif not profiled:
             self.step_times.append(time.perf_counter() - t0)
 
