@@ -729,8 +729,8 @@ def memory_table(s, th):
                       + " (held by no attribute of the engine)" * (k == "the rest")
                       for k, v in s["other_named"].items() if v or k == "the micro-batch")
     note = (f"other = live - states, on rank 0: {named}. "
-            f"live: every tensor on the device that the garbage collector finds (not the engine's list) after step 1's "
-            f"backward (step 1, the second step: step 0 makes Adam's moments), less the data set "
+            f"live: every tensor on the device that the garbage collector finds (not the engine's list) after step "
+            f"{s['measured_step']}'s backward (not the first step's: it makes Adam's moments), less the data set "
             f"({amount(s['data_bytes'])}); the peak adds the step's activations and working set")
     lines += textwrap.wrap(note, 120)
     if th["disk"]:
