@@ -55,6 +55,18 @@ def add_checkpoint_args(p):
                    "fp32 weights to one file OUT, then exit")
     p.add_argument("--sample", default=None, metavar="FILE", help="print text from a consolidated file, then exit")
 
+def pieces_of(engine, states):
+    """A stage's state_pieces(): for each trained parameter p that this rank holds some of, (p's name, [lo, hi) of its
+    elements, a view of each flat tensor in `states`, the master and Adam's m and v, at p's piece). engine.piece_of(p)
+    says where: p's elements [lo, hi) lie from `at` on in the rank's flat states."""
+    pieces = []
+    for name, p in engine.model.named_parameters():
+        if p.requires_grad:
+            lo, hi, at = engine.piece_of(p)
+            if lo < hi:  # this rank holds some of p
+                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in states]))
+    return pieces
+
 STATE = ("master", "exp_avg", "exp_avg_sq")  # the K = 12 bytes per parameter, what a checkpoint must not lose
 KEEP = 2  # complete checkpoints kept: the newest, and one before it in case the newest is damaged
 

@@ -248,6 +248,12 @@ class DiskStates:
                 state[start:start + self.numels[k]] = view
         return held
 
+    def scatter(self, held):
+        """gather()'s inverse: every bucket's states (master, m, v: flat tensors of the buckets in order) from host
+        memory to the file."""
+        for k, start in enumerate(itertools.accumulate([0] + self.numels[:-1])):
+            self.put(k, [state[start:start + self.numels[k]] for state in held])
+
     def close(self):
         """Wait for every read and write, and remove the file."""
         self.file.close()

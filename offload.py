@@ -22,7 +22,7 @@ import torch.nn as nn
 from comm import comm
 from devices import load_cpu_adam
 from options import Misuse, require
-from train_gpt import AdamW, clip_coef, main, share_rank0s, trained
+from train_gpt import AdamW, clip_coef, main, pieces_of, share_rank0s, trained
 from train_gpt import Outside, before_backward, units_of
 
 class Copies:
@@ -319,24 +319,24 @@ class ZeROOffloadEngine:
         """The fp32 master: a copy of this rank's parameter shard in host memory (lesson 10 puts it on disk)."""
         return self.param_shard.to("cpu", torch.float32, copy=True)
 
-    def _adam_step(self, grad_shard, k, sh, step, lr, coef):
-        """C++ AdamW on this rank's elements sh of bucket k, clipping the gradient by coef and writing the new
-        parameters into staging in the same pass (the host has waited for staging's last copies up). Lesson 9 passes
-        its second gradient shard; lesson 10 reads bucket k's states from disk."""
-        self.adam.adam_step(self.master[sh], grad_shard[sh], self.optimizer.exp_avg[sh], self.optimizer.exp_avg_sq[sh],
-                            self.staging[sh], step=step, lr=lr, beta1=self.args.beta1, beta2=self.args.beta2,
-                            eps=self.optimizer.eps, weight_decay=self.args.weight_decay, grad_scale=coef)
+    def _adam_step(self, grad_shard, k, where, step, lr, coef):
+        """C++ AdamW on bucket k's part of this rank's flat shards (the slice `where`), clipping the gradient by coef
+        and writing the new parameters into staging in the same pass (the host has waited for staging's last copies
+        up). Lesson 9 passes its second gradient shard; lesson 10 reads bucket k's states from disk."""
+        self.adam.adam_step(self.master[where], grad_shard[where], self.optimizer.exp_avg[where],
+                            self.optimizer.exp_avg_sq[where], self.staging[where], step=step, lr=lr, grad_scale=coef,
+                            **self.optimizer.recipe)
     # [/Offload]
 
-    def _send(self, sh):  # staging's new parameters [sh] up to the parameter shard
-        self.copies.copy(self.param_shard[sh], self.staging[sh])
+    def _send(self, where):  # staging's new parameters [where] up to the parameter shard
+        self.copies.copy(self.param_shard[where], self.staging[where])
 
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
         """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds."""
         # every copy queued so far has landed: the gradient shard's too
         self.copies.landed()
-        lo, hi, at = self._piece_of(p)
+        lo, hi, at = self.piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
@@ -347,15 +347,9 @@ class ZeROOffloadEngine:
 
     def state_pieces(self):
         """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
-        state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
-        pieces = []
-        for name, p in trained(self.model):
-            lo, hi, at = self._piece_of(p)
-            if lo < hi:  # this rank holds some of p
-                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
-        return pieces
+        return pieces_of(self, [self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq])
 
-    def _piece_of(self, p):
+    def piece_of(self, p):
         """The elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state."""
         b = self.bucket_of[p]
         # This rank owns elements [rank*s, (rank+1)*s) of the bucket.
@@ -395,18 +389,17 @@ class ZeRO3OffloadEngine(ZeROOffloadEngine):
         with torch.cuda.stream(self.copies.stream):
             b.gather = comm.all_gather(b.param, shard, async_op=True)
 
-    def _send(self, sh):
+    def _send(self, where):
         if not self.args.offload_params:
-            return super()._send(sh)
+            return super()._send(where)
         # the parameter shard is in CPU memory: staging's values go there, once no copy reads it
         self.copies.landed()
-        self.param_shard[sh].copy_(self.staging[sh])
+        self.param_shard[where].copy_(self.staging[where])
 # [/ZeRO-3 Offload]
 
-# [DPU] --delayed_update: step t's CPU update runs in a thread during step t+1
-# The delayed parameter update (the ZeRO-Offload paper's DPU) extends the engine above: with --delayed_update, step
-# t's AdamW runs in a thread during step t+1's forward and backward, and its parameters go up at the end of step t+1.
-# From the second step on, each forward runs on parameters one update old.
+# [DPU] --delayed_update: step t's CPU update runs in a thread during step t+1's forward and backward
+# The ZeRO-Offload paper's delayed parameter update (DPU) extends the engine above: step t's parameters go up at the
+# end of step t+1, so from the second step on each forward runs on parameters one update old.
 class DelayedUpdateEngine(ZeRO3OffloadEngine):
     @classmethod
     def add_args(cls, parser):
@@ -420,7 +413,6 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
         # the update runs beside forward and backward, so the C++ AdamW leaves them a core.
         if args.delayed_update:
             self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype)
-            # (this option's thread and cores: imported only when asked for)
             from concurrent.futures import ThreadPoolExecutor
             from devices import set_cpu_adam_threads
             self.updater = ThreadPoolExecutor(1)
@@ -467,8 +459,7 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
 # ZeRO-Infinity's NVMe tier (arXiv 2104.07857) extends the engine above: this rank's fp32 master and Adam's moments
 # (12Ψ/N bytes) live in a file under --nvme_path, and host memory keeps only --nvme_buffer_count buffers of one
 # bucket's states each. The update walks the buckets: while the C++ AdamW updates bucket k in its buffer, bucket k+1's
-# states are read into the next and bucket k-1's are written back from the one before (nvme.DiskStates: the file, its
-# layout and its buffers; O_DIRECT on a thread pool).
+# states are read into the next and bucket k-1's are written back from the one before (nvme.py: O_DIRECT, threads).
 class NVMeEngine(DelayedUpdateEngine):
     @classmethod
     def add_args(cls, parser):
@@ -483,55 +474,48 @@ class NVMeEngine(DelayedUpdateEngine):
         from nvme import DiskStates
         numels = [(b.end - b.start) // self.world_size for b in self.buckets]
         self.disk = DiskStates(self.args.nvme_path, f"rank{self.rank}", numels, self.args.nvme_buffer_count)
-        # the states are made a bucket at a time in its buffer and written to the file: host memory never holds them
-        # all; AdamW, given an empty master, keeps only its step count and recipe
-        for k, b in enumerate(self.buckets):
-            self.disk.put(k, (self.param_shard[self._shard_range(b)], torch.zeros(()), torch.zeros(())))
+        # the states are made a bucket at a time in a buffer and written to the file; AdamW, given an empty master,
+        # keeps the step count and recipe (as DeepSpeed's swapper leaves its optimizer's tensors empty while on disk)
+        zeros = torch.zeros(()).expand(self.param_shard.numel())
+        self.disk.scatter([self.param_shard, zeros, zeros])
         return torch.empty(0)
 
-    def _hold(self, master, exp_avg, exp_avg_sq):
-        """The states in host memory (None: none), where the engine above reads them."""
-        self.master = self.optimizer.param = master
-        self.optimizer.exp_avg = exp_avg
-        self.optimizer.exp_avg_sq = exp_avg_sq
-
-    def _adam_step(self, grad_shard, k, sh, step, lr, coef):
+    def _adam_step(self, grad_shard, k, where, step, lr, coef):
         if self.args.offload_optimizer == "cpu":
-            return super()._adam_step(grad_shard, k, sh, step, lr, coef)
+            return super()._adam_step(grad_shard, k, where, step, lr, coef)
         # once a step, before the first bucket: a checkpoint's copy of the states in host memory (state_pieces) goes
         if k == 0:
-            self._hold(None, None, None)
+            self.held = None
         # bucket k's states pass through buffer k % count: this read waits for that buffer's last write (nvme.py)
         master, exp_avg, exp_avg_sq = self.disk.states(k)
         # the next bucket's states come in while this one's update runs (with one buffer, after it)
         if k + 1 < len(self.buckets) and len(self.disk.buffers) > 1:
             self.disk.read(k + 1)
-        self.adam.adam_step(master, grad_shard[sh], exp_avg, exp_avg_sq, self.staging[sh], step=step, lr=lr,
-                            beta1=self.args.beta1, beta2=self.args.beta2, eps=self.optimizer.eps,
-                            weight_decay=self.args.weight_decay, grad_scale=coef)
+        self.adam.adam_step(master, grad_shard[where], exp_avg, exp_avg_sq, self.staging[where], step=step, lr=lr,
+                            grad_scale=coef, **self.optimizer.recipe)
         self.disk.write(k)
 
     def state_pieces(self):
+        if self.args.offload_optimizer == "cpu":
+            return super().state_pieces()
+        self._finish_update()
         # the states, read into host memory for a checkpoint (until resume() or the next update)
-        if self.args.offload_optimizer == "nvme":
-            self._finish_update()
-            self._hold(*self.disk.gather())
-        return super().state_pieces()
+        self.held = self.disk.gather()
+        return pieces_of(self, self.held)
 
-    def resume(self, step):
-        super().resume(step)
-        # the states a checkpoint filled in host memory go to the file, and the host keeps none
-        if self.args.offload_optimizer == "nvme":
-            held = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
-            for k, b in enumerate(self.buckets):
-                self.disk.put(k, [state[self._shard_range(b)] for state in held])
-            self._hold(None, None, None)
+    def _params_from_master(self):
+        if self.args.offload_optimizer == "cpu":
+            return super()._params_from_master()
+        # resume(): a checkpoint has filled the states in host memory; they set the parameters, then go to disk
+        self.param_shard.copy_(self.held[0])
+        self.disk.scatter(self.held)
+        self.held = None
 
     def model_states(self):
         states = super().model_states()
         # in host memory: the buffers; on disk: the states (instruments measure the file)
         if self.args.offload_optimizer == "nvme":
-            states = {name: held for name, held in states.items() if name not in ("master", "adam_m", "adam_v")}
+            states = {name: tensors for name, tensors in states.items() if name not in ("master", "adam_m", "adam_v")}
             states["nvme_buffers"] = self.disk.buffers
         return states
 

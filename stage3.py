@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from comm import comm
 from options import Misuse, require
-from train_gpt import AdamW, clip_coef, main, share_rank0s, sum_of_squares, trained
+from train_gpt import AdamW, clip_coef, main, pieces_of, share_rank0s, sum_of_squares, trained
 from train_gpt import Outside, before_backward, units_of
 
 class Bucket:
@@ -256,7 +256,7 @@ class ZeRO3Engine:
     # ---- for checkpoints and the ledgers; skip on a first reading ----
     def grad(self, p):
         """(lo, view): the elements [lo, lo + view.numel()) of p's averaged gradient this rank holds."""
-        lo, hi, at = self._piece_of(p)
+        lo, hi, at = self.piece_of(p)
         return lo, self.grad_shard[at:at + hi - lo]
 
     def model_states(self):
@@ -265,15 +265,9 @@ class ZeRO3Engine:
 
     def state_pieces(self):
         """This rank's training state: (name, [lo, hi) of p's elements, [master, Adam m, v views])."""
-        state = (self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
-        pieces = []
-        for name, p in trained(self.model):
-            lo, hi, at = self._piece_of(p)
-            if lo < hi:  # this rank holds some of p
-                pieces.append((name, lo, hi, [t[at:at + hi - lo] for t in state]))
-        return pieces
+        return pieces_of(self, [self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq])
 
-    def _piece_of(self, p):
+    def piece_of(self, p):
         """The elements [lo, hi) of p (flattened) this rank holds, from `at` in its flat state."""
         b = self.bucket_of[p]
         # This rank owns elements [rank*s, (rank+1)*s) of the bucket.

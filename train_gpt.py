@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint  # (checkpoint.py saves the training state)
 
-from checkpoint import consolidate, load_checkpoint, load_consolidated, plan_checkpoints, save_checkpoint
+from checkpoint import consolidate, load_checkpoint, load_consolidated, pieces_of, plan_checkpoints, save_checkpoint
 from options import Misuse, check_args, gpt_config, load_text, parse_args, refuse_sparse, require
 from devices import from_rank0, init_distributed, pick_device, pick_dtype, stop
 from comm import comm
@@ -288,8 +288,8 @@ class AdamW:
     of torch's compiler), and decays every parameter, as torch does by default (nanoGPT spares biases and norms)."""
     def __init__(self, param, args, eps=1e-8):
         self.param = param  # the fp32 tensor it updates in place: a master copy, or a shard of one
-        self.args = args  # lr schedule aside, the recipe: beta1, beta2, weight_decay
-        self.eps = eps
+        # lr schedule aside, the recipe (offload.py's C++ AdamW takes it too)
+        self.recipe = dict(beta1=args.beta1, beta2=args.beta2, eps=eps, weight_decay=args.weight_decay)
         self.t = 0  # steps taken
         self.exp_avg = torch.zeros_like(param)  # m
         self.exp_avg_sq = torch.zeros_like(param)  # v
@@ -299,13 +299,11 @@ class AdamW:
     def step(self, grads, lr):
         """One step over `grads`: (where, fp32 gradient) pairs that cover the tensor, a bucket each, say. From a
         generator that makes each when asked, one exists at a time: never an fp32 copy of the whole gradient."""
-        a = self.args
         self.t += 1
         self.step_tensor.fill_(self.t)
         for where, grad in grads:
             torch._fused_adamw_([self.param[where]], [grad], [self.exp_avg[where]], [self.exp_avg_sq[where]], [],
-                                [self.step_tensor], lr=lr, beta1=a.beta1, beta2=a.beta2, weight_decay=a.weight_decay,
-                                eps=self.eps, amsgrad=False, maximize=False)
+                                [self.step_tensor], lr=lr, amsgrad=False, maximize=False, **self.recipe)
             del grad  # this bucket's fp32 gradient, before the generator makes the next one
 
 def sum_of_squares(t, block=1 << 20):

@@ -89,11 +89,15 @@ SLIPS = {
         "        self.stream = torch.cuda.current_stream(device)\n",
         ["tests/test_ideas.py::test_the_idea_is_there[offload-Copy_stream]"],
         "CopyStream queues its copies on the compute stream: no copy stream (graded by idea)"),
-    "offload_dropped_weight_decay": (
-        "offload.py", "eps=self.optimizer.eps, weight_decay=self.args.weight_decay, grad_scale=coef)",
-        "eps=self.optimizer.eps, weight_decay=0.0, grad_scale=coef)",
+    "offload_dropped_clipping": (
+        "offload.py", "self.staging[where], step=step, lr=lr, grad_scale=coef,\n",
+        "self.staging[where], step=step, lr=lr, grad_scale=1.0,\n",
         ["tests/test_fp16.py::test_fp16_parity_and_ledgers[offload]"],
-        "offload's C++ AdamW called without its weight decay (fp16: the tolerance's margin)"),
+        "offload's C++ AdamW called without the clipping coefficient"),
+    "adamw_recipe_without_weight_decay": (
+        "train_gpt.py", "eps=eps, weight_decay=args.weight_decay)", "eps=eps, weight_decay=0.0)",
+        ["tests/test_adamw.py"],
+        "AdamW's recipe (train_gpt's fused step, and offload's C++ one) loses its weight decay"),
     "other_meter_zero": (
         "instruments.py", "    other = live - storage_bytes(on_device)\n", "    other = 0\n",
         ["tests/test_stages.py::test_freed_what_the_stage_promises[stage0_ddp-2]"],
@@ -164,20 +168,19 @@ SLIPS = {
         ["tests/test_nvme_tier.py::test_bit_identical_to_the_states_in_memory[fp32-N1]"],
         "the NVMe tier updates every bucket with the first bucket's states"),
     "nvme_no_write_back": (
-        "offload.py", "            weight_decay=self.args.weight_decay, grad_scale=coef)\n        self.disk.write(k)\n",
-        "            weight_decay=self.args.weight_decay, grad_scale=coef)\n",
+        "offload.py", "grad_scale=coef, **self.optimizer.recipe)\n        self.disk.write(k)\n",
+        "grad_scale=coef, **self.optimizer.recipe)\n",
         ["tests/test_nvme_tier.py::test_bit_identical_to_the_states_in_memory[fp32-N1]"],
         "the NVMe tier never writes the updated states back"),
     "nvme_resume_not_on_disk": (
-        "offload.py", "                self.disk.put(k, [state[self._shard_range(b)] for state in held])\n",
-        "                pass\n",
+        "offload.py", "        self.disk.scatter(self.held)\n",
+        "        pass\n",
         ["tests/test_nvme_tier.py::test_checkpoints_move_between_the_tiers"],
         "a checkpoint loaded into the NVMe tier never reaches its file"),
     "nvme_states_made_in_memory": (
-        "offload.py", "            self.disk.put(k, (self.param_shard[self._shard_range(b)], torch.zeros(()), torch.zeros(())))\n",
-        "            whole = whole if k else [super()._host_master(), torch.zeros(self.param_shard.numel()),\n"
-        "                                     torch.zeros(self.param_shard.numel())]\n"
-        "            self.disk.put(k, [state[self._shard_range(b)] for state in whole])\n",
+        "offload.py", "        self.disk.scatter([self.param_shard, zeros, zeros])\n",
+        "        self.disk.scatter([super()._host_master(), torch.zeros(self.param_shard.numel()),\n"
+        "                           torch.zeros(self.param_shard.numel())])\n",
         ["tests/test_largest.py::test_zero3_construction_never_holds_the_whole_model[offload_nvme]"],
         "the NVMe tier makes its states in host memory (12Ψ/N at once) before writing them out"),
     "largest_host_without_buffers": (
@@ -227,7 +230,7 @@ SLIPS = {
     "nvme_host_copy_kept": (
         "offload.py",
         "        if k == 0:\n"
-        "            self._hold(None, None, None)\n", "",
+        "            self.held = None\n", "",
         ["tests/test_nvme_tier.py::test_a_saves_host_copy_of_the_states_goes_at_the_next_update"],
         "the NVMe tier keeps a checkpoint's host copy of the states (12Ψ/N) for the rest of the run"),
     "nvme_checkpoint_from_the_buffer": (

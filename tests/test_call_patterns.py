@@ -21,6 +21,9 @@ from checkpoint import consolidate, gather_master, save_checkpoint, tied_names
 from comm import comm
 from train_gpt import GPT, GPTConfig, Misuse, SingleDeviceEngine, lr_at
 
+# AdamW's recipe (options.py's defaults), for an engine built outside main
+RECIPE = argparse.Namespace(beta1=0.9, beta2=0.99, weight_decay=0.1)
+
 WIDTH = 6
 Pair = namedtuple("Pair", "value note")
 
@@ -268,7 +271,7 @@ def test_a_consolidated_checkpoint_loads_strictly_into_the_gpt(tmp_path):
     """--consolidate: every name of the GPT's tied weight (lm_head.weight, wte.weight) is in its state dict."""
     cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
     model = GPT(cfg)
-    engine = SingleDeviceEngine(model, argparse.Namespace(), torch.device("cpu"))
+    engine = SingleDeviceEngine(model, RECIPE, torch.device("cpu"))
     params = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[],
                 params=params, tied=tied_names(model))

@@ -121,7 +121,7 @@ def test_a_saves_host_copy_of_the_states_goes_at_the_next_update(world_of_one, t
     def states_held():
         listed = sum(engine.model_states().values(), [])
         return {path: n for path, n in unlisted(engine, listed, world_of_one).items()
-                if "master" in path or "exp_avg" in path}
+                if any(name in path for name in ("master", "exp_avg", "held"))}  # held: the checkpoint's copy
 
     for step in range(3):
         engine.backward(loss_of(engine, step), sync=True)
