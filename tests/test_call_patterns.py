@@ -5,7 +5,6 @@ nested in units, a unit's output that the loss does not use, a weight shared by 
 refused with one line that names the fix; in stage 3 and offload, no unit gathered after backward, and a step's
 all-gathers one per forward call of a unit and one per unit for its backward. Stage 3 and offload are the engines
 these patterns test; stages 0-2 train them too, as any engine must."""
-import argparse
 import dataclasses
 import subprocess
 import sys
@@ -20,9 +19,6 @@ from test_any_model import build, parse_args, world_of_one  # noqa: F401 (a fixt
 from checkpoint import consolidate, gather_master, save_checkpoint, tied_names
 from comm import comm
 from train_gpt import GPT, GPTConfig, Misuse, SingleDeviceEngine, lr_at
-
-# AdamW's recipe (options.py's defaults), for an engine built outside main
-RECIPE = argparse.Namespace(beta1=0.9, beta2=0.99, weight_decay=0.1)
 
 WIDTH = 6
 Pair = namedtuple("Pair", "value note")
@@ -271,7 +267,7 @@ def test_a_consolidated_checkpoint_loads_strictly_into_the_gpt(tmp_path):
     """--consolidate: every name of the GPT's tied weight (lm_head.weight, wte.weight) is in its state dict."""
     cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
     model = GPT(cfg)
-    engine = SingleDeviceEngine(model, RECIPE, torch.device("cpu"))
+    engine = SingleDeviceEngine(model, parse_args(SingleDeviceEngine, []), torch.device("cpu"))
     params = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[],
                 params=params, tied=tied_names(model))

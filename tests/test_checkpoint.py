@@ -3,7 +3,6 @@ a checkpoint saved by stage 3 on 4 ranks continues under stage 1 on 2; a rank ki
 the steps since the last complete checkpoint; damaged or mismatched checkpoints are refused with a one-line error;
 ranks whose views of the checkpoint directory differ still resume one checkpoint, rank 0's, and refuse together; a
 save's bytes and renames reach the disk before a name points at them; a CPU run touches no CUDA state."""
-import argparse
 import hashlib
 import json
 import shutil
@@ -14,12 +13,10 @@ import pytest
 import torch
 
 from conftest import ROOT
+from test_any_model import parse_args
 from test_stages import LOSS_ATOL, MODEL, TRAIN, compare_params, first_difference, reference, train  # noqa: F401
 from checkpoint import load_checkpoint, open_checkpoint, save_checkpoint
 from train_gpt import GPT, GPTConfig, CharData, LossScaler, SingleDeviceEngine, load_text
-
-# AdamW's recipe (options.py's defaults), for an engine built outside main
-RECIPE = argparse.Namespace(beta1=0.9, beta2=0.99, weight_decay=0.1)
 
 STOP = ["--stop_after", "3"]  # TRAIN has 6 steps: stop after 3, resume for the other 3
 
@@ -246,7 +243,7 @@ def test_cpu_run_leaves_cuda_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": calls.append("get") or torch.zeros(8, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": calls.append("set"))
     cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
-    engine = SingleDeviceEngine(GPT(cfg), RECIPE, torch.device("cpu"))
+    engine = SingleDeviceEngine(GPT(cfg), parse_args(SingleDeviceEngine, []), torch.device("cpu"))
     meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[], params={})
     for device, expected in ((torch.device("cpu"), []), (torch.device("cuda"), ["get", "set"])):
         calls.clear()
@@ -276,7 +273,7 @@ def test_a_save_is_on_disk_before_a_name_points_at_it(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
-    engine = SingleDeviceEngine(GPT(cfg), RECIPE, torch.device("cpu"))
+    engine = SingleDeviceEngine(GPT(cfg), parse_args(SingleDeviceEngine, []), torch.device("cpu"))
     meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[], params={})
     where = os.path.abspath(save_checkpoint(str(tmp_path), engine, 1, meta, torch.device("cpu")))
     renames = [i for i, e in enumerate(events) if e[0] == "rename"]
@@ -295,7 +292,7 @@ def test_skipped_steps_survive_a_change_of_dtype(tmp_path):
     """Adam's step count on resume is the steps taken less those fp16 skipped. A run saved in fp16 after skipping 2
     steps and resumed in fp32 keeps that count, so that its own checkpoint, resumed again, still counts them."""
     cfg = GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_head=1, n_embd=4)
-    engine = SingleDeviceEngine(GPT(cfg), RECIPE, torch.device("cpu"))
+    engine = SingleDeviceEngine(GPT(cfg), parse_args(SingleDeviceEngine, []), torch.device("cpu"))
     meta = dict(stage="reference", config=vars(cfg), chars="abcde", losses=[], grad_norms=[], val_losses=[], params={})
     fp16 = LossScaler(enabled=True)
     fp16.scale, fp16.skipped = 2.0**14, 2
