@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -156,6 +157,57 @@ def attention_determinism():
     return {"backward_bit_identical_twice": same}
 
 
+def timed(fn, repeats):
+    """Seconds per call of fn on the GPU, from CUDA events around `repeats` calls after one warm-up call."""
+    fn()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / repeats
+
+
+def rates():
+    """The rates a model of a step's timeline needs: dense matmul (bf16, and fp32 without TF32), the device memory's
+    bandwidth (a copy: bytes read plus written), copies between host and device each way from pinned and pageable
+    memory, and what one small kernel costs: on the device when the queue is full, and on the host to launch it."""
+    if torch.version.cuda is None:
+        return {"skipped": "a CPU build of torch (the fake device): its rates would be the host's"}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    found = {}
+    n = 8192
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(n, n, device="cuda", dtype=dtype)
+        b = torch.randn(n, n, device="cuda", dtype=dtype)
+        seconds = timed(lambda: a @ b, 20)
+        found[f"matmul_{str(dtype).split('.')[1]}_tflops"] = round(2 * n**3 / seconds / 1e12, 1)
+    big = torch.empty(2**28, device="cuda")
+    other = torch.empty_like(big)
+    seconds = timed(lambda: other.copy_(big), 20)
+    found["device_copy_gb_s"] = round(2 * big.nbytes / seconds / 1e9, 1)
+    del other
+    pinned = torch.empty(big.shape, pin_memory=True)
+    pageable = torch.empty(big.shape)
+    pageable.fill_(1.0)
+    for name, host in (("pinned", pinned), ("pageable", pageable)):
+        found[f"h2d_{name}_gb_s"] = round(big.nbytes / timed(lambda: big.copy_(host, non_blocking=True), 5) / 1e9, 1)
+        found[f"d2h_{name}_gb_s"] = round(big.nbytes / timed(lambda: host.copy_(big, non_blocking=True), 5) / 1e9, 1)
+    small = torch.zeros(1024, device="cuda")
+    # the device time of a kernel too small to matter: what each launch costs the GPU when they queue back to back
+    found["small_kernel_device_us"] = round(timed(lambda: small.add_(1), 2000) * 1e6, 2)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        small.add_(1)
+    found["small_kernel_launch_host_us"] = round((time.perf_counter() - t0) / 2000 * 1e6, 2)
+    torch.cuda.synchronize()
+    return found
+
+
 def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_facts.json")
     if not torch.cuda.is_available():
@@ -164,7 +216,7 @@ def main():
         return
     facts = {"cuda": True}
     probes = (environment, matmul_workspace, resize_to_zero, pinned_and_syncs, thread_copy, attention_determinism,
-              nccl_stream)
+              rates, nccl_stream)
     for probe in probes:
         try:
             facts[probe.__name__] = probe()
