@@ -21,6 +21,29 @@ def nbytes(t):
     return t.numel() * t.element_size()
 
 
+class Done:
+    """A world of one's collective: done when issued (its result a local copy, or nothing). Its wait() orders what
+    the waiter's stream runs next after that copy, as a real collective's wait() does (with CUDA: an event)."""
+    def __init__(self, t):
+        self.event = None
+        if t.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self, timeout=None):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+    def is_completed(self):
+        return True
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
 class CommLedger:
     """The collectives the stages call, each counting the bytes this rank sends in `sent` and its calls in `calls`,
     by collective; a step's counts start from zero at begin_step and are read by take()."""
@@ -77,8 +100,19 @@ class CommLedger:
         """The collective's handle (timed with --timeline: its wait() is the timeline's)."""
         return self.timeline.issued(record, work, async_op) if record is not None else work
 
+    def _alone(self, out=None, inp=None):
+        """A world of one: a collective's result is its own input, so none is called (on a GPU each call costs the host
+        tens of microseconds, and a step calls one or more per unit). Its output, if any, is a local copy."""
+        if dist.get_world_size() > 1:
+            return False
+        if out is not None and out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return True
+
     def all_reduce(self, t, op, async_op=False):
         sent = self._count("all_reduce", 2 * nbytes(t))
+        if self._alone():
+            return Done(t) if async_op else None
         op = self._average_first(t, op)
         record = self._issue("all_reduce", [t], sent)
         work = dist.all_reduce(t, op=op, async_op=async_op)
@@ -86,6 +120,8 @@ class CommLedger:
 
     def reduce_scatter(self, out, inp, op, async_op=False):
         sent = self._count("reduce_scatter", nbytes(inp))
+        if self._alone(out, inp):
+            return Done(out) if async_op else None
         op = self._average_first(inp, op)
         record = self._issue("reduce_scatter", [out, inp], sent)
         work = reduce_scatter_tensor(out, inp, op=op, async_op=async_op)
@@ -93,6 +129,8 @@ class CommLedger:
 
     def all_gather(self, out, inp, async_op=False):
         sent = self._count("all_gather", nbytes(out))
+        if self._alone(out, inp):
+            return Done(out) if async_op else None
         record = self._issue("all_gather", [out, inp], sent)
         work = all_gather_into_tensor(out, inp, async_op=async_op)
         return self._issued(record, work, async_op)
@@ -100,6 +138,8 @@ class CommLedger:
     def broadcast(self, t, src):
         """A model's buffers, before each forward (the GPT has none)."""
         sent = self._count("broadcast", nbytes(t))
+        if self._alone():
+            return None
         record = self._issue("broadcast", [t], sent)
         work = dist.broadcast(t, src=src)
         return self._issued(record, work, async_op=False)

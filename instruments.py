@@ -28,10 +28,12 @@ def pinned_bytes(nbytes):
 def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=False, delayed_update=False):
     """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
     one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
-    updated parameters, and with --offload_params the parameter shard. (fp32 master and moments stay pageable.)"""
+    updated parameters, and with --offload_params the parameter shard; with --delayed_update also the global norm's
+    float64, which the update's thread reads. (fp32 master and moments stay pageable.)"""
     if stage != "offload":
         return 0
-    return (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
+    shards = (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
+    return shards + delayed_update * pinned_bytes(8)
 
 def without(label, a, b, holes):
     """What is left of [a, b) outside `holes` (sorted (start, end) pairs), as (label, start, end) pieces."""

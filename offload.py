@@ -7,10 +7,12 @@ Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states 
     host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ 2Ψ/N with --offload_params: the parameters)
     sent      what stage 3 sends; and over each rank's device-host link, 2Ψ/N down and 2Ψ/N up
 
-The idea: each bucket's reduced gradient shard goes down to host memory (Copies), the step's C++ AdamW (cpu_adam.cpp,
-built by load_inline) updates this rank's shard there, and the new parameters go up bucket by bucket. With CUDA the
-host buffers are pinned, so a copy does not block the host: it waits only where it reads what came down.
-With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the sum goes down.
+The idea: each bucket's reduced gradient shard goes down to host memory (Copies) as soon as its reduce-scatter is
+done, its squares summed on the device first (the global norm, without a pass over the host's copy); the step's C++
+AdamW (cpu_adam.cpp, built by load_inline) updates this rank's shard there, and the new parameters go up bucket by
+bucket. With CUDA the host buffers are pinned, so a copy does not block the host: it waits only where it reads what
+came down. With --grad_accum > 1 the micro-steps' reduced shards are summed on the device, in grad_acc, and only the
+sum goes down.
 
 Run (gloo on CPU, NCCL with one rank per GPU; plain `python` runs a world of one, through the same code):
     torchrun --standalone --nproc_per_node 2 offload.py --preset tiny --steps 100
@@ -22,7 +24,7 @@ import torch.nn as nn
 from comm import comm
 from devices import load_cpu_adam
 from options import Misuse, require
-from train_gpt import AdamW, clip_coef, main, pieces_of, share_rank0s, trained
+from train_gpt import AdamW, clip_coef, main, pieces_of, share_rank0s, sum_of_squares, trained
 from train_gpt import Outside, before_backward, units_of
 
 class Copies:
@@ -46,6 +48,10 @@ class Copies:
         if self.cuda:
             self.stream.synchronize()
 
+    def after(self, work, *spent):
+        """The copies queued next wait for collective `work` (which used `spent`): on one stream, compute waits too."""
+        work.wait()
+
     def joined(self):
         """Make what the compute stream runs next wait for every copy queued so far. On one stream it waits already;
         lesson 7's copy stream overrides this."""
@@ -66,6 +72,14 @@ class CopyStream(Copies):
         for t in [t for t in (src, dst) if t.is_cuda]:
             t.record_stream(self.stream)
         return dst
+
+    def after(self, work, *spent):
+        # the copy stream waits for the collective, and the compute stream goes on with backward; the allocator must
+        # not hand out the memory the collective uses until the copy stream has passed it
+        with torch.cuda.stream(self.stream):
+            work.wait()
+        for t in spent:
+            t.record_stream(self.stream)
 
     def joined(self):
         torch.cuda.current_stream().wait_stream(self.stream)
@@ -141,13 +155,14 @@ class ZeROOffloadEngine:
         self.staging = self.copies.host(self.param_shard.numel(), params[0].dtype)
         # --grad_accum > 1: the micro-steps' reduced shards summed in one device buffer, grad_shard's size
         self.grad_acc = torch.zeros_like(self.grad_shard, device=device) if args.grad_accum > 1 else None
+        # each bucket's part of the global norm: its shard's squares, summed on the device before the shard goes down
+        self.squares = torch.zeros(len(self.buckets), dtype=torch.float64, device=device)
         self.adam = load_cpu_adam(announce=self.rank == 0)
         # [/Offload]
         # [Copy stream] with CUDA, the copies on a stream of their own (the pinned buffers made above serve it too)
         if self.copies.cuda:
             self.copies = CopyStream(device)
         # [/Copy stream]
-        self.in_flight = []
         # hook every unit's forward: gather its parameters just before, free them right after
         for b in self.buckets:
             b.module.register_forward_pre_hook(lambda m, inputs, b=b: self._use(b, backward=False))
@@ -241,18 +256,21 @@ class ZeROOffloadEngine:
             # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
-            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
-                self._release(self.in_flight.pop())
-            self.in_flight.append(b)
+            # its copy down is queued now, behind the reduce-scatter, not behind the next bucket's backward
+            self._release(b)
 
-    # [Offload] wait for the reduce-scatter; on the last micro-step, copy the shard summed on the device to the CPU
+    # [Offload] after the reduce-scatter, on the copies' stream: on the last micro-step, the shard's squares, and the
+    # shard (summed on the device over the micro-steps) down to the CPU
     def _release(self, b):
-        b.work.wait()
-        # --grad_accum > 1: summed over the micro-steps on the device (step() zeroes grad_acc once the sum is down)
-        if self.grad_acc is not None:
-            b.reduced = self.grad_acc[self._shard_range(b)].add_(b.reduced)
-        if self.sync:
-            self.copies.copy(self.grad_shard[self._shard_range(b)], b.reduced)
+        self.copies.after(b.work, b.grad, b.reduced)
+        where = self._shard_range(b)
+        with torch.cuda.stream(self.copies.stream):  # (without CUDA the stream is None: this `with` changes nothing)
+            # --grad_accum > 1: summed over the micro-steps on the device (zeroed by the step, once the sum is down)
+            if self.grad_acc is not None:
+                b.reduced = self.grad_acc[where].add_(b.reduced)
+            if self.sync:
+                self.squares[self.buckets.index(b)] = sum_of_squares(b.reduced)
+                self.copies.copy(self.grad_shard[where], b.reduced)
         b.grad = b.reduced = b.work = None
     # [/Offload]
 
@@ -268,8 +286,6 @@ class ZeROOffloadEngine:
         loss.backward()
         # Every gradient must have come.
         require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)
-        while self.in_flight:
-            self._release(self.in_flight.pop())
 
     def step(self, lr, scaler=None):
         # This gradient is used up: the next step needs another backward.
@@ -278,30 +294,29 @@ class ZeROOffloadEngine:
         # no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
-        # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
-        self.copies.landed()
-        if self.grad_acc is not None:
-            self.grad_acc.zero_()
-        # this shard's squares, summed on the host, filled into a scalar on the device (a copy up would block the host)
-        norm = self.buckets[0].param.new_full((), self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64)
+        # [Offload] the global norm on the device, from the squares the buckets' shards left on their way down
+        self.copies.joined()
+        norm = self.squares.sum()
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)  # the global norm: sum the shards' squares
         norm = norm.sqrt()
-        coef = clip_coef(norm, self.args.grad_clip, scaler)
-        # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
-        if coef is None:
-            self._drop_gradient()
-            return norm
-        self.optimizer.t += 1
+        # AdamW on the CPU (C++), and the new parameters back; the next copies down overwrite the gradient shard
+        self._update(lr, norm, scaler)
         # [/Offload]
-        # coef as a number on the host: the C++ AdamW reads no device memory
-        self._update(lr, float(coef))
         self._drop_gradient()
         return norm
 
-    def _update(self, lr, coef):
-        """AdamW bucket by bucket: a bucket's new parameters go up while the next bucket is updated."""
+    def _update(self, lr, norm, scaler):
+        """Wait for the gradient shard on the host; then AdamW bucket by bucket: a bucket's new parameters go up while
+        the next bucket is updated."""
+        self.copies.landed()
+        coef = clip_coef(norm, self.args.grad_clip, scaler)
+        # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
+        if coef is None:
+            return
+        self.optimizer.t += 1
         for k, b in enumerate(self.buckets):
-            self._adam_step(self.grad_shard, k, self._shard_range(b), self.optimizer.t, lr, coef)
+            # coef as a number on the host: the C++ AdamW reads no device memory
+            self._adam_step(self.grad_shard, k, self._shard_range(b), self.optimizer.t, lr, float(coef))
             self._send(self._shard_range(b))
         # The next forward's gathers run after the copies up; the host goes on (staging waits for the next landed()).
         self.copies.joined()
@@ -311,8 +326,9 @@ class ZeROOffloadEngine:
         self.param_shard.copy_(self.master)
 
     def _drop_gradient(self):
-        """The step used (or skipped) this gradient: the next one starts from zero."""
-        self.grad_shard.zero_()
+        """The step used (or skipped) this gradient: the sum over the next micro-steps starts from zero."""
+        if self.grad_acc is not None:
+            self.grad_acc.zero_()
 
     # [Offload] AdamW on the host, in C++
     def _host_master(self):
@@ -398,8 +414,10 @@ class ZeRO3OffloadEngine(ZeROOffloadEngine):
 # [/ZeRO-3 Offload]
 
 # [DPU] --delayed_update: step t's CPU update runs in a thread during step t+1's forward and backward
-# The ZeRO-Offload paper's delayed parameter update (DPU) extends the engine above: step t's parameters go up at the
-# end of step t+1, so from the second step on each forward runs on parameters one update old.
+# The ZeRO-Offload paper's delayed parameter update (DPU) extends the engine above: step t's update runs in a thread
+# during step t+1, sending each bucket's new parameters up as soon as its AdamW is done, into a second parameter shard
+# that step t+2 gathers from: from the second step on each forward runs on parameters one update old. The training
+# thread never waits for a copy: the update's thread waits for the gradient, and compute for the copies up.
 class DelayedUpdateEngine(ZeRO3OffloadEngine):
     @classmethod
     def add_args(cls, parser):
@@ -409,44 +427,81 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
     def __init__(self, model, args, device, units=None):
         super().__init__(model, args, device, units)
         self.update = None  # step t's update, in flight during step t+1
-        # A second gradient shard, read by step t's update while step t+1 fills the other, and the update's thread;
-        # the update runs beside forward and backward, so the C++ AdamW leaves them a core.
+        # A second gradient shard, read by step t's update while step t+1 fills the other; a second parameter shard,
+        # written by the update while step t+1 gathers from the other (with --offload_params: staging, on the host);
+        # the norm on the host; the update's thread. It runs beside forward and backward: AdamW leaves them a core.
         if args.delayed_update:
             self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype)
+            if not args.offload_params:
+                self.next_param_shard = torch.empty_like(self.param_shard)
+            self.host_norm = self.copies.host(1, torch.float64)
             from concurrent.futures import ThreadPoolExecutor
             from devices import set_cpu_adam_threads
             self.updater = ThreadPoolExecutor(1)
             set_cpu_adam_threads(self.adam, spare=1, announce=self.rank == 0)
 
-    def _update(self, lr, coef):
+    def _update(self, lr, norm, scaler):
         if not self.args.delayed_update:
-            return super()._update(lr, coef)
-        # Step t-1's update, computed while this step ran, goes to the device, and step t's runs during step t+1.
-        # After a step skipped for an fp16 overflow, the update before that step goes up.
+            return super()._update(lr, norm, scaler)
+        # fp16's loss scale changes only between steps, so its skip-or-update is decided now (the host reads the
+        # norm); in bf16 and fp32 the update's thread reads the norm once it is on the host
+        coef = None
+        if scaler is not None and scaler.enabled:
+            coef = clip_coef(norm, self.args.grad_clip, scaler)
+            if coef is None:  # an fp16 overflow: the update in flight is used at the next step
+                return
+        # Step t-1's update, computed while this step ran, is in the other parameter shard; step t's runs now
         self._finish_update()
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
-        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, coef)
+        # the norm goes down behind the gradient (on the copy stream, after this step's gathers, which read the
+        # shard the update overwrites): the update's thread waits for the event after it
+        self.copies.copy(self.host_norm, norm.view(1))
+        landed = self.copies.stream.record_event() if self.copies.cuda else None
+        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, landed, lr, coef, scaler)
 
-    def _cpu_update(self, grad_shard, step, lr, coef):
-        for k, b in enumerate(self.buckets):
-            self._adam_step(grad_shard, k, self._shard_range(b), step, lr, coef)
+    def _cpu_update(self, grad_shard, landed, lr, coef, scaler):
+        """Step t's update, in its own thread: AdamW bucket by bucket, each bucket's new parameters sent up at once."""
+        if landed is not None:
+            landed.synchronize()
+        if coef is None:
+            coef = clip_coef(self.host_norm[0], self.args.grad_clip, scaler)
+        self.optimizer.t += 1
+        with torch.cuda.stream(self.copies.stream):  # this thread's copies queue on the copy stream alone
+            for k, b in enumerate(self.buckets):
+                self._adam_step(grad_shard, k, self._shard_range(b), self.optimizer.t, lr, float(coef))
+                self._send(self._shard_range(b))
+
+    def _send(self, where):
+        if not self.args.delayed_update:
+            return super()._send(where)
+        # into the parameter shard the next step uses (with --offload_params, staging itself becomes it)
+        if not self.args.offload_params:
+            self.copies.copy(self.next_param_shard[where], self.staging[where])
 
     def _finish_update(self):
         if self.update is not None:
             update = self.update
             self.update = None
-            # exception() waits for the update; an error in its thread stops the run in one line, nothing sent
+            # exception() waits for the update's thread (its copies queued, not landed); an error there stops the
+            # run in one line, nothing used (a non-finite norm as every stage's)
             if (e := update.exception()) is not None:
+                if isinstance(e, FloatingPointError):
+                    raise e
                 raise SystemExit(f"error: --delayed_update's CPU update failed: {type(e).__name__}: {e}".split("\n")[0])
-            self._send(slice(None))
-            # for the next forward, and before the next update writes staging
-            self.copies.landed()
+            # the new parameters become the ones gathered: the next gathers wait for their copies up on the device
+            if self.args.offload_params:
+                self.param_shard, self.staging = self.staging, self.param_shard
+            else:
+                self.param_shard, self.next_param_shard = self.next_param_shard, self.param_shard
+            self.copies.joined()
 
     def model_states(self):
         states = super().model_states()
-        # its second gradient shard
+        # its second gradient shard, and its second parameter shard (on the device)
         if self.args.delayed_update:
             states["grads"].append(self.spare_grad_shard)
+            if not self.args.offload_params:
+                states["params"].append(self.next_param_shard)
         return states
 
     def state_pieces(self):

@@ -65,8 +65,10 @@ def estimate(n_params, world_size, param_bytes=2, offload_params=False, gpus_per
     out = {}
     for stage in STAGES:
         n = padded(int(n_params), stage, world_size)
-        grad_shards = 1 + (delayed_update and stage == "offload")  # the delayed update's second gradient shard
-        by_cat = model_state_theory(stage, n, world_size, param_bytes, grad_shards)
+        # the delayed update's second gradient shard, and its second parameter shard where they are on the device
+        grad_shards = 1 + (delayed_update and stage == "offload")
+        param_shards = 1 + (grad_shards == 2 and not offload_params)
+        by_cat = model_state_theory(stage, n, world_size, param_bytes, grad_shards, param_shards=param_shards)
         on_host = host_categories(stage, offload_params)
         host = sum(v for k, v in by_cat.items() if k in on_host)
         pageable = sum(v for k, v in by_cat.items() if k in on_host and k not in ("grads", "params"))  # no copy touches them

@@ -270,7 +270,8 @@ class Model:
             for access in ([info.write] + info.reads) if info else []:
                 if access is None or access.stream in (own, *covered):
                     continue
-                if not any(syncs.is_ordered_after(s, access.seq_num, access.stream) for s in (own, host)):
+                # record_stream(s) holds the memory until s reaches the free: enough where s waited for this use
+                if not any(syncs.is_ordered_after(s, access.seq_num, access.stream) for s in (own, host, *covered)):
                     self.pending.append((own, access, n, at, how))
 
     def _check_pending(self, stream):

@@ -63,7 +63,8 @@ def test_the_sample_at_the_end_costs_little_host_memory(tmp_path, script, nproc)
                               f"{a / 2**20:.0f} MiB without: the end of the run multiplies the host's memory")
 
 
-@pytest.mark.parametrize("script, most, steps", [("stage1.py", 1, 20), ("stage3.py", 1, 20), ("offload.py", 2, 6)])
+@pytest.mark.parametrize("script, most, steps", [("stage1.py", 1, 20), ("stage3.py", 1, 20), ("offload.py", 2, 6),
+                                                 ("offload.py --delayed_update", 0, 6)])
 def test_one_host_sync_per_step(tmp_path, script, most, steps):
     """On the fake CUDA device (N = 2, fp32), the host synchronisations outside forward, backward and the batches:
     inside each optimizer step at most one for stages 0-3 (clip_coef's: skip the step or not) and two for offload
@@ -71,9 +72,11 @@ def test_one_host_sync_per_step(tmp_path, script, most, steps):
     logs (every steps // 10th: the losses and the norms since the last, read at once), and a few more at the run's
     start, its evaluation, its measured step and its end, besides those of its object collectives (all_gather_object
     and the like, which NCCL runs through the device: their bytes copied up and down); never the loss's and the
-    norm's at every step. (Offload runs 6 steps: the count inside each step needs no more.)"""
+    norm's at every step. (Offload runs 6 steps: the count inside each step needs no more.) With --delayed_update none
+    inside a step: the update's thread waits for the gradient and reads the norm, and its waits are counted apart."""
     from test_fake_cuda import audit
-    job, reports = audit(tmp_path, ROOT / script, "--steps", str(steps), "--eval_every", "1000")
+    script, *options = script.split()
+    job, reports = audit(tmp_path, ROOT / script, *options, "--steps", str(steps), "--eval_every", "1000")
     assert job.returncode == 0 and all(reports), "\n".join(last_lines(job.stdout + job.stderr, 30))
     logged = steps // max(1, steps // 10)  # the steps that log: every max(1, steps // 10)th; the last is one of them
     for r in reports:
@@ -82,3 +85,6 @@ def test_one_host_sync_per_step(tmp_path, script, most, steps):
         syncs = r["seen"].get("host syncs in the rest", 0) - r["seen"].get("host syncs in object collectives", 0)
         assert syncs <= most * steps + 2 * logged + 20, (f"{script}, rank {r['rank']}: {syncs} host syncs in {steps} "
                                                          f"steps ({logged} of them logged): more than {most} a step")
+        if options:  # the update's thread waited for each step's gradient (counted: so a wait seen nowhere fails)
+            threads = r["seen"].get("host syncs in other threads", 0)
+            assert threads >= steps - 1, f"{script} {options}: {threads} host syncs in the update's thread"

@@ -57,12 +57,14 @@ def test_estimate_equals_model_state_theory(world_size, dtype, offload_params):
 def test_pinned_memory_as_pytorch_allocates_it():
     """With CUDA, PyTorch's pinned-memory cache rounds each allocation up to a power of two (checked against
     torch.cuda.host_memory_stats by tests/test_gpu.py). ZeRO-Offload pins the gradient shard (two with
-    --delayed_update), the staging buffer and, with --offload_params, the parameter shard: one allocation each."""
+    --delayed_update, and the global norm's float64 that its update's thread reads), the staging buffer and, with
+    --offload_params, the parameter shard: one allocation each."""
     assert [pinned_bytes(n) for n in (0, 1, 2, 3, 1000, 1024, 1025, 3 * 2**20, 2**30 + 1)] == \
         [0, 1, 2, 4, 1024, 1024, 2048, 4 * 2**20, 2**31]
     shard = 2 * 7_777_780 // 4  # bf16 shard of Ψ' = 7,777,780 on 4 ranks: 3,888,890 bytes, pinned as 4 MiB
     for offload_params, delayed_update, buffers in ((False, False, 2), (True, False, 3), (False, True, 3), (True, True, 4)):
-        assert pinned_theory("offload", 7_777_780, 4, 2, offload_params, delayed_update) == buffers * 4 * 2**20
+        norm = 8 * delayed_update
+        assert pinned_theory("offload", 7_777_780, 4, 2, offload_params, delayed_update) == buffers * 4 * 2**20 + norm
         assert buffers * shard <= pinned_theory("offload", 7_777_780, 4, 2, offload_params, delayed_update) < 2 * buffers * shard
     assert pinned_theory("stage3", 7_777_780, 4) == 0
     for offload_params in (False, True):

@@ -208,12 +208,15 @@ def test_delayed_update_stopped_and_resumed_at_two_ranks(runner, tmp_path):
 
 
 def test_delayed_update_second_gradient_shard_is_in_the_formula(runner):
-    """--delayed_update holds two gradient shards (one filling, one read by the CPU update): the formula counts both,
-    so measured equals theory for this option too."""
+    """--delayed_update holds two gradient shards (one filling, one read by the CPU update) and two parameter shards
+    (one gathered from, one written by the update): the formula counts both, so measured equals theory for this option
+    too."""
     s = runner.run(OFFLOAD, 1, *MODEL, *TRAIN, "--delayed_update").summary
     for category, v in s["model_state_bytes"].items():
         assert v["measured"] == v["theory"], f"{category}: measured {v['measured']:,}, formula {v['theory']:,}"
-    assert s["model_state_bytes"]["grads"]["theory"] == 2 * s["model_state_bytes"]["params"]["theory"]
+    assert s["model_state_bytes"]["grads"]["theory"] == s["model_state_bytes"]["params"]["theory"]
+    plain = runner.run(OFFLOAD, 1, *MODEL, *TRAIN).summary["model_state_bytes"]
+    assert s["model_state_bytes"]["params"]["theory"] == 2 * plain["params"]["theory"]
 
 
 # ---- --delayed_update: an exception in the update's thread stops the run, in the main thread, with one line
