@@ -50,12 +50,50 @@ SCRIPTS = {"stage0": ["stage0_ddp.py"], "offload": ["offload.py"], "offload_dpu"
 NAMES = {"stage0": "stage 0", "offload": "offload", "offload_dpu": "offload + DPU", "offload_nvme": "offload + NVMe"}
 # the sizes: the preset and its model options, the micro-batch in sequences, the grad_accums, the steps of a sweep
 # run, and the most layers the estimator may plan
-FULL = dict(preset="gpt2-xl", model=[], micro_batch=4, accums=[1, 4, 16], steps=5, max_layers=4096)
+FULL = dict(preset="gpt2-xl", model=[], micro_batch=16, accums=[1, 4, 16], steps=5, max_layers=4096)
 SMALLEST = dict(preset="tiny", model=["--n_layer", "2"], micro_batch=2, accums=[1, 2], steps=3, max_layers=3)
 # what the estimator may plan to fill: shares of the GPU's free memory, the host's available memory and the free disk
 DEVICE_SHARE = 0.9
 HOST_SHARE = 0.9
 DISK_SHARE = 0.8
+
+
+# the pinned host-device link, each way, measured on the H200 (tests/gpu_facts_h200.json's rates)
+LINK_GB_S = 55.3
+
+
+def host_adam_rate(numel=2**26):
+    """Parameters per second of the C++ AdamW as offload.py runs it (fp32 master and moments, bf16 gradient in, bf16
+    parameters out), on this host's threads: the median of 5 steps."""
+    import torch
+    sys.path.insert(0, str(ROOT))
+    from offload import load_cpu_adam
+    adam = load_cpu_adam()
+    master, m, v = (torch.zeros(numel) for _ in range(3))
+    grad = torch.zeros(numel, dtype=torch.bfloat16)
+    out = torch.zeros(numel, dtype=torch.bfloat16)
+    recipe = dict(beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    times = []
+    for step in range(1, 7):
+        t = time.perf_counter()
+        adam.adam_step(master, grad, m, v, out, step=step, lr=1e-4, grad_scale=1.0, **recipe)
+        times.append(time.perf_counter() - t)
+    return numel / sorted(times[1:])[2]
+
+
+def predicted(result, accum, name):
+    """offload / stage 0 at `accum` micro-steps, from measured parts (a prediction, for one GPU run to check): stage
+    0's time per micro-step t (its run at grad_accum 1), the C++ AdamW's Ψ / rate on this host, and the parameters'
+    2Ψ bytes up the link. Without the DPU the update follows the step: accum·t + max(AdamW, upload); with it the update
+    runs beside the next step: max(accum·t, AdamW + the last bucket's upload)."""
+    base = result["sweep"].get(f"stage0.ga{result['size']['accums'][0]}", {}).get("step_s")
+    if not base:
+        return None
+    psi = result["psi"]
+    adam = psi / result["adam_rate"]
+    upload = 2 * psi / (result["link_gb_s"] * 1e9)
+    step = accum * base + max(adam, upload) if name == "offload" else max(accum * base, adam + upload / 48)
+    return accum * base / step
 
 
 def run(name, flags, out_dir, deadline):
@@ -181,17 +219,31 @@ def render(result):
              f"bf16, one micro-batch of {size['micro_batch']} x {result['block_size']} tokens; in brackets the ratio "
              f"to "
              f"the paper's V100 figure: PyTorch's {s0:g} for stage 0, ZeRO-Offload's {off:g} for offload.", "",
-             "| tokens per step | grad_accum | stage 0 | offload | offload + DPU | offload / stage 0 | "
-             "offload + DPU / stage 0 |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tokens per step | grad_accum | stage 0 | offload | offload + DPU | offload / stage 0 (predicted) | "
+             "offload + DPU / stage 0 (predicted) |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for accum in size["accums"]:
         row = {name: sweep.get(f"{name}.ga{accum}", {}) for name in ("stage0", "offload", "offload_dpu")}
         tf = {name: r.get("tflops") for name, r in row.items()}
         ratio = lambda name: f"{tf[name] / tf['stage0']:.2f}" if tf[name] and tf["stage0"] else "-"
+        guess = lambda name: f"{p:.2f}" if (p := predicted(result, accum, name)) is not None else "-"
         tokens = accum * size["micro_batch"] * result["block_size"]
         lines.append(f"| {tokens:,} | {accum} | {cell(row['stage0'], s0)} | "
-                     f"{cell(row['offload'], off)} | {cell(row['offload_dpu'], off)} | {ratio('offload')} | "
-                     f"{ratio('offload_dpu')} |")
-    lines += ["", f"The paper's offload / PyTorch: {off / s0:.2f} (at 10B against 1.4B).", "",
+                     f"{cell(row['offload'], off)} | {cell(row['offload_dpu'], off)} | {ratio('offload')} "
+                     f"({guess('offload')}) | {ratio('offload_dpu')} ({guess('offload_dpu')}) |")
+    lines += ["", "Milliseconds per micro-step (a step's time / grad_accum), and the slope (T(last) - T(first)) / "
+              "(its micro-steps' difference): what one more micro-step costs.", "",
+              "| run | " + " | ".join(f"grad_accum {a}" for a in size["accums"]) + " | slope |",
+              "|---|" + "---:|" * (len(size["accums"]) + 1)]
+    for name in ("stage0", "offload", "offload_dpu"):
+        steps = [sweep.get(f"{name}.ga{a}", {}).get("step_s") for a in size["accums"]]
+        cells = [f"{t / a * 1e3:.1f}" if t else "-" for t, a in zip(steps, size["accums"])]
+        first, last = size["accums"][0], size["accums"][-1]
+        slope = f"{(steps[-1] - steps[0]) / (last - first) * 1e3:.1f}" if steps[0] and steps[-1] else "-"
+        lines.append(f"| {NAMES[name]} | " + " | ".join(cells) + f" | {slope} |")
+    lines += ["", f"Predicted (in brackets): from stage 0's micro-step at grad_accum {size['accums'][0]}, the C++ "
+              f"AdamW measured on this host ({result['adam_rate'] / 1e9:.2f} G parameters/s) and a "
+              f"{result['link_gb_s']:g} GB/s link (bench/offload_gpu.py's predicted()).", "",
+              f"The paper's offload / PyTorch: {off / s0:.2f} (at 10B against 1.4B).", "",
               "Overlap in each run's traced (last) step: the share of offload's device-to-host copies under "
               "backward's kernels, and of the C++ AdamW under forward's and backward's.", "",
               "| run | grad_accum | copies under backward | C++ AdamW under forward + backward | note |",
@@ -264,17 +316,13 @@ def main(argv=None):
     t0 = time.monotonic()
     machine = torch.cuda.get_device_name()
     print(f"offload_gpu: {size['preset']} on {machine}, within {o.budget_s:g} s; runs in {out_dir}", flush=True)
+    adam_rate = host_adam_rate()
+    print(f"  the C++ AdamW on this host: {adam_rate / 1e9:.2f} G parameters/s", flush=True)
     sweep = {}
     summaries = {}
-    # 1-2: the sweep, its second grad_accum (4) after stage 0's and offload's largest models (3), then the NVMe tier's
-    # (its state file, written and read each step, is the slowest run)
-    second = size["accums"][1]
-    largest = {}
-    for accum in [a for a in size["accums"] if a != second] + [second]:
-        if accum == second:
-            largest = estimate_largest(size, summaries, nvme)
-            for name in ("stage0", "offload"):
-                confirm(largest, name, size, nvme, out_dir, deadline)
+    # 1-2: the sweep, every grad_accum (the paper's headline), then the largest models (3), the NVMe tier's last (its
+    # state file, written and read each step, is the slowest run)
+    for accum in size["accums"]:
         for name in ("stage0", "offload", "offload_dpu"):
             key = f"{name}.ga{accum}"
             # offload's runs trace their last step (stage 0 has no copies and no C++ AdamW to place)
@@ -284,7 +332,11 @@ def main(argv=None):
             s, note = run(key, flags, out_dir, deadline)
             summaries[key] = s
             fractions = overlap(trace_dir) if s and traced else {}
-            sweep[key] = dict(tflops=tflops(s), mfu=s and s["mfu"], note=note, **fractions)
+            seconds = s and s["args"]["batch_size"] * s["config"]["block_size"] / s["tokens_per_s"]
+            sweep[key] = dict(tflops=tflops(s), mfu=s and s["mfu"], note=note, step_s=seconds, **fractions)
+    largest = estimate_largest(size, summaries, nvme)
+    for name in ("stage0", "offload"):
+        confirm(largest, name, size, nvme, out_dir, deadline)
     if "offload_nvme" in largest:
         confirm(largest, "offload_nvme", size, nvme, out_dir, deadline)
     first = next(s for s in summaries.values() if s) if any(summaries.values()) else None
@@ -292,7 +344,8 @@ def main(argv=None):
         raise SystemExit("error: no run of the sweep finished: see the logs in " + str(out_dir))
     cfg = first["config"]
     result = dict(machine=machine, size=size, psi=first["n_params"], block_size=cfg["block_size"], n_embd=cfg["n_embd"],
-                  largest_steps=3, sweep=sweep, largest=largest, seconds=round(time.monotonic() - t0, 1))
+                  largest_steps=3, sweep=sweep, largest=largest, seconds=round(time.monotonic() - t0, 1),
+                  adam_rate=adam_rate, link_gb_s=LINK_GB_S)
     (out_dir / "offload_gpu.json").write_text(json.dumps(result, indent=1))
     body = render(result)
     print(body)

@@ -84,13 +84,14 @@ def run_or_fail(idea, call):
         pytest.fail(f"[{idea}] the run for this idea failed: {e}", pytrace=False)
 
 
-def fake_run(idea, stage_file, tmp_path, *options, grad_accum=2):
-    """The file trained on the fake CUDA device, one rank, at --grad_accum 2 (or grad_accum): its report; failing,
-    naming the idea."""
-    key = (stage_file, options, grad_accum)
+def fake_run(idea, stage_file, tmp_path, *options, grad_accum=2, nproc=1):
+    """The file trained on the fake CUDA device, one rank (or nproc), at --grad_accum 2 (or grad_accum): rank 0's
+    report; failing, naming the idea."""
+    key = (stage_file, options, grad_accum, nproc)
     if key not in FAKE:
-        (tmp_path / f"accum{grad_accum}").mkdir()
-        FAKE[key] = audit(tmp_path / f"accum{grad_accum}", stage_file, *options, grad_accum=grad_accum, nproc=1)
+        (tmp_path / f"accum{grad_accum}_{nproc}").mkdir()
+        FAKE[key] = audit(tmp_path / f"accum{grad_accum}_{nproc}", stage_file, *options, grad_accum=grad_accum,
+                          nproc=nproc)
     job, reports = FAKE[key]
     findings = [m for r in reports if r for m in r["findings"]]
     if job.returncode != 0 or not reports[0] or findings:
@@ -150,7 +151,8 @@ def check_copy_stream(idea, stage_file, tmp_path, **_):
 
 
 def check_offload_params(idea, stage_file, tmp_path, **_):
-    seen = fake_run(idea, stage_file, tmp_path, "--offload_params")
+    # two ranks: a world of one issues no all-gather (comm.py)
+    seen = fake_run(idea, stage_file, tmp_path, "--offload_params", nproc=2)
     assert seen.get("collectives issued on another stream"), (
         f"[{idea}] with --offload_params no all-gather was issued beside compute, after its shard's copy up ({seen})")
 

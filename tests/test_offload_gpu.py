@@ -37,7 +37,10 @@ def test_offload_gpu_smallest_on_the_fake_device(tmp_path):
     assert all(r["layers"] > 0 and r["tflops"] > 0 for r in result["largest"].values()), result["largest"]
     page = (out / "offload_gpu.md").read_text()
     tables = [block for block in page.split("\n\n") if block.startswith("| ")]
-    assert [len(t.splitlines()) - 2 for t in tables] == [len(accums), 2 * len(accums), 3], page
+    # the sweep (each ratio beside its prediction), the time per micro-step and its slope, the overlaps, the largest
+    assert [len(t.splitlines()) - 2 for t in tables] == [len(accums), 3, 2 * len(accums), 3], page
+    assert all(r["step_s"] > 0 for r in result["sweep"].values()), result["sweep"]
+    assert result["adam_rate"] > 0 and "(-)" not in tables[0], tables[0]
     assert (out / "offload_gpu.png").stat().st_size > 0
     assert published() == before, "--smallest wrote bench/results/offload_gpu.md: its numbers are no GPU's"
 
