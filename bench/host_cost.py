@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
     device = pick_device(args.device, 0)
+    # one thread: the kernels are microseconds, and a pool of threads would only add its own waits to the host time
+    torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -59,14 +59,30 @@ SLIPS = {
         "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
         "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.SUM, async_op=True)\n",
         ["tests/test_stages.py::test_parity_with_reference[stage2-2]"], "stage 2's gradients summed, not averaged"),
-    "dpu_norm_of_the_spare_shard": (
-        "offload.py", "self.adam.sum_of_squares(self.grad_shard)", "self.adam.sum_of_squares(self.spare_grad_shard "
-        "if self.args.delayed_update else self.grad_shard)",
+    "dpu_update_reads_the_filling_shard": (
+        "offload.py", "self._cpu_update, self.spare_grad_shard, landed", "self._cpu_update, self.grad_shard, landed",
         ["tests/test_offload.py::test_delayed_update_is_exactly_one_step_stale[1]"],
-        "--delayed_update clips by the norm of the shard the update thread reads (the step before's gradient)"),
+        "--delayed_update's thread reads the gradient shard the next step fills, not the one that came down"),
+    "offload_norm_on_the_host": (
+        "offload.py", "        norm = self.squares.sum()\n",
+        "        self.copies.landed()\n        norm = self.buckets[0].param.new_full((), "
+        "self.adam.sum_of_squares(self.grad_shard), dtype=torch.float64)\n",
+        ["tests/test_offload.py::test_the_step_passes_over_the_host_gradient_once"],
+        "the global norm summed on the host, a second pass over the gradient shard beside AdamW's (the same norm)"),
+    "offload_zeroes_the_host_shard": (
+        "offload.py", "        if self.grad_acc is not None:\n            self.grad_acc.zero_()\n",
+        "        if self.grad_acc is not None:\n            self.grad_acc.zero_()\n        self.grad_shard.zero_()\n",
+        ["tests/test_offload.py::test_the_step_passes_over_the_host_gradient_once"],
+        "the host's gradient shard zeroed after each step, though the next copies down overwrite all of it"),
+    "dpu_host_waits_for_the_upload": (
+        "offload.py", "                self.param_shard, self.next_param_shard = self.next_param_shard, self.param_shard\n",
+        "                self.param_shard, self.next_param_shard = self.next_param_shard, self.param_shard\n"
+        "                self.copies.landed()\n",
+        ["tests/test_end_of_run.py::test_one_host_sync_per_step[offload.py --delayed_update-0-6]"],
+        "--delayed_update's training thread waits on the host for the parameters' copies up (the paper's DPU: never)"),
     "offload_dropped_accumulation": (
-        "offload.py", "            b.reduced = self.grad_acc[self._shard_range(b)].add_(b.reduced)",
-        "            b.reduced = self.grad_acc[self._shard_range(b)].copy_(b.reduced)", ["tests/test_stages.py::test_parity_with_reference[offload-2]"],
+        "offload.py", "                b.reduced = self.grad_acc[where].add_(b.reduced)",
+        "                b.reduced = self.grad_acc[where].copy_(b.reduced)", ["tests/test_stages.py::test_parity_with_reference[offload-2]"],
         "offload keeps only the last micro-step's gradient shard (--grad_accum's sum dropped)"),
     "stage2_missed_all_gather": (
         "stage2.py",
@@ -106,7 +122,7 @@ SLIPS = {
         "instruments.py", "        self.peak = self.base + highest\n", "        self.peak = self.base + running\n",
         ["tests/test_shared.py"], "the peak meter reports the net change over the window, not its high-water mark"),
     "formula_master_bytes": (
-        "train_gpt.py", '"master": 4, "adam_m": 4', '"master": 6, "adam_m": 4',
+        "train_gpt.py", "b.update(master=4, adam_m=4", "b.update(master=6, adam_m=4",
         ["tests/test_estimate.py::test_estimate_equals_model_state_theory"],
         "the formula's fp32 master at 6 bytes a parameter (bench/estimate.py follows it)"),
     "compare_total_without_grad_acc": (
@@ -359,8 +375,8 @@ SLIPS = {
         ["tests/test_animate.py::test_a_unit_never_freed_shows_at_the_end"],
         "the animation's bars leave out the units gathered and the buckets in flight"),
     "offload_copy_down_every_micro_step": (
-        "offload.py", "        if self.sync:\n            self.copies.copy(self.grad_shard[",
-        "        if True:\n            self.copies.copy(self.grad_shard[",
+        "offload.py", "            if self.sync:\n                self.squares[",
+        "            if True:\n                self.squares[",
         ["tests/test_offload.py::test_one_copy_down_per_bucket_per_step"],
         "offload copies each micro-step's gradient shard down, not only the last one's sum (the fake device's only)"),
     "bench_nvme_counts_the_step_befores_transfer": (

@@ -270,3 +270,63 @@ def test_delayed_update_failure_in_its_thread_stops_the_run(runner, tmp_path):
     script.write_text(INJECTED.format(root=str(ROOT)))
     p = runner.launch(str(script), None, *MODEL, *TRAIN, "--delayed_update")
     assert_stops_with_one_line(p, "RuntimeError: injected failure halfway through the update of step 3")
+
+
+HOST_PASSES = '''
+import os, sys
+sys.path[:0] = [{root!r}, {bench!r}]
+import torch, torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from devices import free_port
+import host_cost
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
+engine, x = host_cost.build("offload", torch.device("cpu"))
+shard = engine.grad_shard.untyped_storage()
+calls = []
+adam = engine.adam
+class Counted:  # the C++ AdamW's entry points, each call's tensors that share the gradient shard's memory counted
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            read = sum(t.numel() for t in [*args, *kwargs.values()]
+                       if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == shard.data_ptr())
+            calls.append((name, read))
+            return getattr(adam, name)(*args, **kwargs)
+        return call
+engine.adam = Counted()
+class Touches(TorchDispatchMode):  # every aten op of the step that reads or writes the host gradient shard
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {{}}))
+        touches = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == shard.data_ptr() for t in flat)
+        if touches and not func.is_view:  # (a view reads no element)
+            calls.append((str(func), 0))
+        return func(*args, **(kwargs or {{}}))
+for _ in range(2):
+    loss = engine.forward(x, x)
+    engine.backward(loss, sync=True)
+    calls.clear()
+    with Touches():
+        engine.step(1e-4)
+print("CALLS", calls, "SHARD", engine.grad_shard.numel())
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_the_step_passes_over_the_host_gradient_once(tmp_path):
+    """ZeRO-Offload's host work per step is AdamW's: the global norm comes from the device (each bucket's squares
+    summed before its shard goes down), and nothing zeroes the host's gradient shard (the next copies down overwrite
+    all of it). In one rank's step (CPU, world of one): the C++ AdamW reads every element of the shard once, and no
+    other call, C++ or torch's, reads or writes it."""
+    import ast
+    import subprocess
+    script = tmp_path / "passes.py"
+    script.write_text(HOST_PASSES.format(root=str(ROOT), bench=str(ROOT / "bench")))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("CALLS")), None)
+    assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-2000:]
+    calls = ast.literal_eval(line.split("CALLS", 1)[1].split("SHARD")[0].strip())
+    numel = int(line.split("SHARD")[1])
+    others = [name for name, _ in calls if name != "adam_step"]
+    assert not others, f"the step touches the host gradient shard besides AdamW: {others}"
+    read = sum(n for name, n in calls if name == "adam_step")
+    assert read == numel, f"AdamW read {read:,} elements of the {numel:,}-element gradient shard in one step"
