@@ -3,7 +3,7 @@ comm.py: the collectives every stage calls, in one place. Each is torch.distribu
 with two things added: the bytes this rank sends are counted (ring algorithms: an all-reduce sends 2(N-1)/N of its
 tensor, a reduce-scatter (N-1)/N of its input, an all-gather (N-1)/N of its output), so that a run can print them
 beside the paper's formula; and, with --timeline, each collective is timed from its call to its completion
-(instruments.Timeline attaches itself as `comm.timeline`).
+(instruments.Timeline attaches itself as `comm.timeline`). In a world of one nothing is called: a result is a copy.
 
 A stage writes `comm.all_reduce(t, op=dist.ReduceOp.AVG)` where it would write `dist.all_reduce(t, op=...)`.
 """
@@ -101,8 +101,8 @@ class CommLedger:
         return self.timeline.issued(record, work, async_op) if record is not None else work
 
     def _alone(self, out=None, inp=None):
-        """A world of one: a collective's result is its own input, so none is called (on a GPU each call costs the host
-        tens of microseconds, and a step calls one or more per unit). Its output, if any, is a local copy."""
+        """A world of one: a collective's result is its own input, so none is called or counted (on a GPU each call
+        costs the host tens of microseconds, and a step calls one or more per unit). Its output, if any, is a copy."""
         if dist.get_world_size() > 1:
             return False
         if out is not None and out is not inp:
@@ -110,36 +110,36 @@ class CommLedger:
         return True
 
     def all_reduce(self, t, op, async_op=False):
-        sent = self._count("all_reduce", 2 * nbytes(t))
         if self._alone():
             return Done(t) if async_op else None
+        sent = self._count("all_reduce", 2 * nbytes(t))
         op = self._average_first(t, op)
         record = self._issue("all_reduce", [t], sent)
         work = dist.all_reduce(t, op=op, async_op=async_op)
         return self._issued(record, work, async_op)
 
     def reduce_scatter(self, out, inp, op, async_op=False):
-        sent = self._count("reduce_scatter", nbytes(inp))
         if self._alone(out, inp):
             return Done(out) if async_op else None
+        sent = self._count("reduce_scatter", nbytes(inp))
         op = self._average_first(inp, op)
         record = self._issue("reduce_scatter", [out, inp], sent)
         work = reduce_scatter_tensor(out, inp, op=op, async_op=async_op)
         return self._issued(record, work, async_op)
 
     def all_gather(self, out, inp, async_op=False):
-        sent = self._count("all_gather", nbytes(out))
         if self._alone(out, inp):
             return Done(out) if async_op else None
+        sent = self._count("all_gather", nbytes(out))
         record = self._issue("all_gather", [out, inp], sent)
         work = all_gather_into_tensor(out, inp, async_op=async_op)
         return self._issued(record, work, async_op)
 
     def broadcast(self, t, src):
         """A model's buffers, before each forward (the GPT has none)."""
-        sent = self._count("broadcast", nbytes(t))
         if self._alone():
             return None
+        sent = self._count("broadcast", nbytes(t))
         record = self._issue("broadcast", [t], sent)
         work = dist.broadcast(t, src=src)
         return self._issued(record, work, async_op=False)

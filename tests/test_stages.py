@@ -111,12 +111,15 @@ def test_every_collective_goes_through_the_ledger(runner, stage_file, nproc):
     """The ledger counts the calls made through `comm`; the process group (tests/count_collectives wraps
     torch.distributed's collectives in every run) counts every collective the rank issues, whoever calls it. On the
     measured step the two agree, call for call and byte for byte: a collective called on torch.distributed directly
-    is sent but not in the ledger. At N = 1 a ring sends no bytes, but the calls still differ."""
+    is sent but not in the ledger. At N = 1 nothing is called at all (comm.py's world of one: every result is the
+    rank's own), so both count none."""
     s = train(runner, stage_file, nproc).summary
     where = f"{s['stage']} at N={nproc}"
     comm = s["comm_bytes_per_step"]
     seen = comm["process_group"]
     assert seen is not None, f"{where}: no count at the process group in this run (tests/count_collectives)"
+    if nproc == 1:
+        assert not any(seen["calls"].values()), f"{where}: a world of one called collectives: {seen['calls']}"
     ledger = {op: v["measured"] for op, v in comm["by_collective"].items() if v["measured"] or op in seen["sent"]}
     for op in sorted(set(seen["calls"]) | set(comm["calls"])):
         got = seen["calls"].get(op, 0)
