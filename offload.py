@@ -4,7 +4,9 @@ offload.py: ZeRO-Offload, stage 3 plus one idea: the optimizer and its states li
 Per rank, for Ψ parameters on N ranks (ZeRO paper; fp16 as bf16): model states in bytes, and elements sent per step
     device    bf16 parameters 2Ψ/N (0 with --offload_params) + stage 3's working set (ZeRO-Offload paper)
               + 2Ψ/N with --grad_accum > 1: the gradient shard summed over the micro-steps
+              + 2Ψ/N with --delayed_update (not with --offload_params): the parameters its update writes
     host      bf16 gradients 2Ψ/N + (fp32 master, Adam m, Adam v) 12Ψ/N (+ 2Ψ/N with --offload_params: the parameters)
+              + 2Ψ/N with --delayed_update: the gradient shard its update reads
     sent      what stage 3 sends; and over each rank's device-host link, 2Ψ/N down and 2Ψ/N up
 
 The idea: each bucket's reduced gradient shard goes down to host memory (Copies) as soon as its reduce-scatter is
