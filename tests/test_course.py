@@ -72,6 +72,37 @@ def test_each_marker_blanks_on_its_own():
             assert exercise.count(f"# [{other}]") == source.count(f"# [{other}]"), f"blanking {tag} touched {other}"
 
 
+def code_tokens(source):
+    """The source's tokens, comments and blank lines left out."""
+    import io
+    import tokenize
+    return [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type not in (tokenize.COMMENT, tokenize.NL)]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_exercise_is_one_lesson(stage):
+    """Each exercise blanks its own lesson only: another lesson's region nested in it (stage3.py's [Prefetch] and
+    [Recompute] in [ZeRO-3]) stays as it is; the course's own answer, written where the exercise's TODOs ask for it
+    (make_exercise(..., fill=True)), is the reference's code, token for token; and each misuse the blanked code
+    refuses (a `require` the grade checks) is announced in the TODO."""
+    source = (ROOT / stage).read_text()
+    for tag in tags_in(source):
+        exercise = make_exercise(source, [tag])
+        compile(exercise, f"{stage}:{tag}", "exec")
+        for other in set(tags_in(source)) - {tag}:
+            assert exercise.count(f"# [{other}]") <= source.count(f"# [{other}]")
+        answer = make_exercise(source, [tag], fill=True)
+        assert code_tokens(answer) == code_tokens(source), f"{stage} [{tag}]: the answer is not the reference's code"
+        for line in source.splitlines():
+            if line.strip().startswith("require(") and line.strip() not in exercise:
+                assert False, f"{stage} [{tag}]: the exercise drops `{line.strip()}` and no TODO announces it"
+    if stage == "stage3.py":
+        exercise = make_exercise(source, ["ZeRO-3"])
+        for nested in ("Prefetch", "Recompute"):
+            assert exercise.count(f"# [{nested}]") == source.count(f"# [{nested}]"), f"[ZeRO-3] blanks [{nested}]"
+
+
 def broken(tmp_path, stage, old, new):
     source = (ROOT / stage).read_text()
     assert source.count(old) == 1, f"{stage} no longer contains {old!r}: update this test"
