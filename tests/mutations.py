@@ -358,6 +358,14 @@ SLIPS = {
         "bench/animate.py", "            held[k] = held.get(k, 0) + n\n", "            held[k] = held.get(k, 0)\n",
         ["tests/test_animate.py::test_a_unit_never_freed_shows_at_the_end"],
         "the animation's bars leave out the units gathered and the buckets in flight"),
+    "animate_live_counts_the_data_set": (
+        "bench/animate.py", "live=memory - data_bytes,", "live=memory,",
+        ["tests/test_animate.py::test_frames_agree_with_the_ledgers[stage3.py]"],
+        "the animation's live counts the data set, which the run's memory table leaves out"),
+    "animate_no_update_frame": (
+        "bench/animate.py", "            if i == done:\n", "            if i == -1:\n",
+        ["tests/test_animate.py::test_frames_agree_with_the_ledgers[stage3.py]"],
+        "no frame says that the optimizer updated the shard"),
     "offload_copy_down_every_micro_step": (
         "offload.py", "        if self.sync:\n            self.copies.copy(self.grad_shard[",
         "        if True:\n            self.copies.copy(self.grad_shard[",
