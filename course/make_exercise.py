@@ -206,7 +206,7 @@ def main(argv=None):
     out.write_text(make_exercise(source, tags))
     link_helpers(out.parent)
     print(f"wrote {out}: blanked {', '.join(tags)}; run it with: torchrun --standalone --nproc_per_node 2 {out} "
-          f"--preset tiny; grade it with: python -m pytest tests --stage {out}")
+          f"--preset tiny --dtype fp32; grade it with: python -m pytest tests --stage {out}")
     return out
 
 

@@ -87,7 +87,7 @@ COVERED = {
     "python course/make_exercise.py stage2.py": "test_make_exercise",
     "python course/make_lessons.py": "test_make_lessons",
     "python course/make_lessons.py --files steps": "tests/test_course.py::test_steps_and_exercises_run_by_hand",
-    "torchrun --standalone --nproc_per_node 2 steps/offload_without_NVMe.py --preset tiny":
+    "torchrun --standalone --nproc_per_node 2 steps/offload_without_NVMe.py --preset tiny --dtype fp32":
         "tests/test_course.py::test_steps_and_exercises_run_by_hand",
     # examples/README.md
     "torchrun --standalone --nproc_per_node 2 examples/any_model.py --stage stage2.py":
