@@ -251,6 +251,17 @@ SLIPS = {
         "            require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)\n",
         ["tests/test_call_patterns.py::test_each_unit_gathered_once_a_call_and_once_for_its_backward"],
         "stage 3 gathers a unit whose backward is over when a gradient reaches another of its outputs"),
+    "stage3_no_wait_before_use": (
+        "stage3.py", "        self._gather(b)\n        self._wait(b)\n", "        self._gather(b)\n",
+        ["tests/test_call_patterns.py::test_parameters_are_used_after_their_gather_lands"],
+        "stage 3's unit computes on parameters whose all-gather has not landed (no wait() before use)"),
+    "stage3_gradient_reduced_twice": (
+        "stage3.py",
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        "            comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG)\n"
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        ["tests/test_stages.py::test_communication_bytes_match_formula[stage3-2]"],
+        "stage 3 reduce-scatters each bucket twice (the numbers unchanged: the same average twice)"),
     "offload_prefetch_of_a_finished_backward": (
         "offload.py", "        after = [n for n in order[order.index(b) + 1:] if n.waiting or not backward]\n",
         "        after = order[order.index(b) + 1:]\n",

@@ -121,6 +121,36 @@ def test_common_mistakes_are_named(tmp_path):
     assert "memory of the full gradient" in out, out[-3000:]
 
 
+def test_the_first_screen_names_the_slip(tmp_path):
+    """Three slips planted in stage 3's answer, graded as a teacher grades (the checks that name a slip, at N = 2):
+    each file's slip is said on the grade's first screen, above the failures; a run that a slip made diverge says
+    nothing of the learning rate (the suite's settings are the reference's)."""
+    slips = {"no_wait": ("        self._gather(b)\n        self._wait(b)\n", "        self._gather(b)\n",
+                         "the slip: parameters used before their all-gather landed"),
+             "late": ("        if backward and not b.waiting:\n            require(any(n.waiting for n in self.buckets), "
+                      "Misuse.OUTSIDE_BACKWARD)\n            return\n", "",
+                      "the slip: a unit gathered after its backward was over"),
+             "twice": ("            b.work = comm.reduce_scatter(", "            comm.reduce_scatter(b.reduced, b.grad, "
+                       "op=dist.ReduceOp.AVG)\n            b.work = comm.reduce_scatter(",
+                       "the slip: each gradient reduced 2 times a step")}
+    source = (ROOT / "stage3.py").read_text()
+    paths = {}
+    for name, (old, new, _) in slips.items():
+        assert source.count(old) == 1, f"stage3.py no longer contains {old!r}: update this test"
+        paths[name] = tmp_path / f"{name}_stage3.py"
+        paths[name].write_text(source.replace(old, new))
+    tests = [str(ROOT / "tests" / f) for f in ("test_call_patterns.py", "test_stages.py")]
+    cmd = [sys.executable, "-m", "pytest", *tests, *[a for p in paths.values() for a in ("--stage", str(p))], "-q",
+           "-m", "slip", "-k", "not -4]", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "pytest")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    out = p.stdout + p.stderr
+    first_screen = out[:out.index("= FAILURES =")] if "= FAILURES =" in out else out
+    for name, (_, _, said) in slips.items():
+        named = [line for line in first_screen.splitlines() if f"[{name}_stage3" in line and said in line]
+        assert named, f"{name}: the grade's first screen does not say {said!r}:\n{first_screen[-3000:]}"
+    assert "lower --lr" not in out, out[-3000:]
+
+
 def test_a_copy_without_record_stream_is_named(tmp_path):
     """Lesson 7's answer less its record_stream passes the suite's runs on the CPU, and at --grad_accum 2 on the fake
     device (the copy's source, grad_acc, lives on); the grade fails it, naming the missing record_stream."""
