@@ -96,8 +96,9 @@ def pytest_runtest_logreport(report):
     slip = next((line for line in message.splitlines() if "the slip: " in line), None)
     if slip is not None:
         slip = slip[slip.index("the slip: "):]
-        if slip not in SLIPS.said:
-            SLIPS.said.add(slip)
+        said = (report.nodeid.split("[")[-1].split("-")[0], slip.split(" (")[0].split(":")[1])  # (the file, the slip)
+        if said not in SLIPS.said:
+            SLIPS.said.add(said)
             terminal = SLIPS.config.pluginmanager.get_plugin("terminalreporter")
             terminal.write("\n")
             terminal.write_line(f"{report.nodeid.split('::')[-1]}: {slip}")
