@@ -313,8 +313,6 @@ def painter(summary, data):
     bars: what the engine holds by category (hatched: gathered or in flight; dashed: the formula's model states) and
     the rest of live, the activations and working set; the bytes sent so far by collective; the live line of each
     rank with the frame's time marked. 1200 pixels wide at 100 dpi: every label readable at 100%."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.patches import Patch, Rectangle
@@ -343,7 +341,6 @@ def painter(summary, data):
     captioned = shown[0]["rank"]
     own = [f for f in data if f["rank"] == captioned]
 
-    plt.rcParams.update({"font.size": 12})
     rows = 2 * max(n, 2)  # (a world of one gets the room of two)
     height = 4.9 + 0.42 * rows
     fig = plt.figure(figsize=(12, height), dpi=100)
@@ -461,20 +458,23 @@ def painter(summary, data):
 def draw(summary, data, gif=None, stills=(), folder=None, only=None):
     """The frames drawn() keeps: as an animated GIF (only: just these 1-based numbers), and the frames numbered in
     `stills` as PNG files folder/frame<NN>.png. Returns the stills' paths."""
+    import matplotlib
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, paint = painter(summary, data)
     shown = drawn(data)
     written = []
-    for number in stills:
-        path = Path(folder) / f"frame{number:02d}.png"
-        paint(number).save(path)
-        written.append(path)
-    if gif is not None:
-        numbers = [k for k in range(1, len(shown) + 1) if only is None or k in only]
-        images = [paint(k) for k in numbers]
-        images[0].save(gif, save_all=True, append_images=images[1:], loop=0,
-                       duration=[durations(shown)[k - 1] for k in numbers])
-    plt.close(fig)
+    with plt.rc_context({"font.size": 12}):  # (tick labels take it when drawn, so every frame is drawn inside)
+        fig, paint = painter(summary, data)
+        for number in stills:
+            path = Path(folder) / f"frame{number:02d}.png"
+            paint(number).save(path)
+            written.append(path)
+        if gif is not None:
+            numbers = [k for k in range(1, len(shown) + 1) if only is None or k in only]
+            images = [paint(k) for k in numbers]
+            images[0].save(gif, save_all=True, append_images=images[1:], loop=0,
+                           duration=[durations(shown)[k - 1] for k in numbers])
+        plt.close(fig)
     return written
 
 
