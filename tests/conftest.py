@@ -162,13 +162,6 @@ class ForkServer:
         """The variables of env that torch reads while it is imported, as one string."""
         return json.dumps(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME) and k != "PYTHONPATH"))
 
-    @staticmethod
-    def stop(proc):
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
     @classmethod
     def start(cls, argv, env, cwd, stdout, stderr):
         if cls.path is None and os.environ.get("ZERO_FORK_SERVER_ENV") == cls.import_time(cls.environment()):
@@ -179,9 +172,6 @@ class ForkServer:
             env0 = {k: v for k, v in cls.environment().items() if k != "PYTHONPATH"}
             cls.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fork_server.py"), cls.path],
                                         stdin=subprocess.PIPE, cwd=ROOT, env=env0)
-            # at exit: its stdin closed ends it, and it is waited for (its runs' CPU time then counts as this
-            # process's children's, as /usr/bin/time reports it)
-            atexit.register(cls.stop, cls.proc)
             atexit.register(cls.proc.stdin.close)
             while not os.path.exists(cls.path):
                 if cls.proc.poll() is not None:
