@@ -149,10 +149,11 @@ def native_bf16():
 def pick_dtype(choice, device):
     """(dtype, why) for --dtype. auto on a GPU: bf16 where it computes bf16 natively, else fp16 with loss scaling (the
     papers' V100s, a T4: fp16 tensor cores, 16 bytes per parameter as in the papers). auto on a CPU: bf16 where it
-    has native bf16 matrix instructions (AMX, AVX512-BF16: on the machines measured, bf16 ran 1.6-2.7x as fast
-    as fp32), fp32 otherwise, never fp16 (a CPU's fp16 matmul is a fallback, tens of times slower than its fp32 one). Elsewhere torch's
-    bf16 matmul runs a fallback too; AVX-512 without BF16, which oneDNN calls bf16-capable, only emulates it. What the
-    CPU has decides, not a timing: every run on one machine picks the same dtype, and so prints the same table."""
+    has native bf16 matrix instructions (AMX, AVX512-BF16: on the machines measured, bf16 ran 1.6-2.7x as fast as
+    fp32), fp32 otherwise, never fp16 (a CPU's fp16 matmul is a fallback, tens of times slower than its fp32 one).
+    Elsewhere torch's bf16 matmul runs a fallback too; AVX-512 without BF16, which oneDNN calls bf16-capable, only
+    emulates it. What the CPU has decides, not a timing: every run on one machine picks the same dtype, and so
+    prints the same table."""
     if choice != "auto":
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[choice], f"--dtype {choice}"
     if device.type == "cuda":  # bf16 in hardware from compute capability 8.0 (Ampere) on; torch.cuda.is_bf16_supported()

@@ -203,10 +203,11 @@ class LateGathers:
 
     def check(self, b):
         early = [p for p in b.params if p.untyped_storage().data_ptr() in self.pending]
+        unit = self.names[id(b.module)]
         assert not early, (
-            f"the slip: parameters used before their all-gather landed: {self.names[id(b.module)]} computed its forward "
-            f"on parameters whose comm.all_gather(..., async_op=True) was not waited on; call wait() on its handle "
-            f"before the unit runs")
+            f"the slip: parameters used before their all-gather landed: {unit} computed its forward on parameters "
+            f"whose comm.all_gather(..., async_op=True) was not waited on; call wait() on its handle before the unit "
+            f"runs")
 
 
 @pytest.mark.slip

@@ -125,13 +125,13 @@ def test_the_first_screen_names_the_slip(tmp_path):
     """Three slips planted in stage 3's answer, graded as a teacher grades (the checks that name a slip, at N = 2):
     each file's slip is said on the grade's first screen, above the failures; a run that a slip made diverge says
     nothing of the learning rate (the suite's settings are the reference's)."""
+    reduce = "            comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG)\n"
+    late = ("        if backward and not b.waiting:\n"
+            "            require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)\n            return\n")
     slips = {"no_wait": ("        self._gather(b)\n        self._wait(b)\n", "        self._gather(b)\n",
                          "the slip: parameters used before their all-gather landed"),
-             "late": ("        if backward and not b.waiting:\n            require(any(n.waiting for n in self.buckets), "
-                      "Misuse.OUTSIDE_BACKWARD)\n            return\n", "",
-                      "the slip: a unit gathered after its backward was over"),
-             "twice": ("            b.work = comm.reduce_scatter(", "            comm.reduce_scatter(b.reduced, b.grad, "
-                       "op=dist.ReduceOp.AVG)\n            b.work = comm.reduce_scatter(",
+             "late": (late, "", "the slip: a unit gathered after its backward was over"),
+             "twice": ("            b.work = comm.reduce_scatter(", reduce + "            b.work = comm.reduce_scatter(",
                        "the slip: each gradient reduced 2 times a step")}
     source = (ROOT / "stage3.py").read_text()
     paths = {}
