@@ -53,13 +53,14 @@ def test_frames_agree_with_the_ledgers(recorded, script):
     # the optimizer's update has a frame of its own, on the captioned rank
     assert any(f["event"].startswith("the optimizer step is done") for f in animate.drawn(data))
     if script == "stage3.py":
-        # live is the run's table's (the data set left out): stage 3's step ends holding its model states, so its
-        # live then differs from the table's (after backward) by no more than the table's beyond them (the micro-batch)
+        # live is the run's table's (the data set left out): stage 3's step ends holding its model states and little
+        # else (what the meter has not yet seen freed, under load), so its live then is the table's (after backward)
+        # to within half the data set, where counting the data set would put it a whole data set off
         end = {f["rank"]: f["ranks"][f["rank"]]["live"] for f in data}
         for r, live in end.items():
-            other = summary["other_tensor_bytes_per_rank"][r]
             table = summary["live_tensor_bytes_per_rank"][r]
-            assert abs(live - table) <= other, f"rank {r}: the frames' live at the end {live:,}, the table's {table:,}"
+            assert abs(live - table) < summary["data_bytes"] / 2, (
+                f"rank {r}: the frames' live at the end {live:,} bytes, the table's {table:,}")
         tags = {tag for f in data for tag in f["lesson"].split()}
         assert {"[ZeRO-3]", "[Prefetch]", "[ZeRO-2]"} <= tags
 
