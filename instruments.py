@@ -728,12 +728,12 @@ def memory_table(s, th):
     lines += textwrap.wrap(f"{total}: {each or 'nothing'}", 120)
     # the rest: what no attribute of the engine holds (scalars, buffers in flight, leaks)
     named = ", ".join(f"{'engine.' * (k not in ('the micro-batch', 'the rest'))}{k} {amount(v)}"
-                      + " (held by no attribute of the engine)" * (k == "the rest")
+                      + " (scalars no attribute of the engine holds: losses, a gradient norm)" * (k == "the rest")
                       for k, v in s["other_named"].items() if v or k == "the micro-batch")
     note = (f"other = live - states, on rank 0: {named}. "
             f"live: every tensor on the device that the garbage collector finds (not the engine's list) after step "
             f"{s['measured_step']}'s backward (not the first step's: it makes Adam's moments), less the data set "
-            f"({amount(s['data_bytes'])}); the peak adds the step's activations and working set")
+            f"({amount(s['data_bytes'])}); the peak counts it too, and adds the step's activations and working set")
     lines += textwrap.wrap(note, 120)
     if th["disk"]:
         lines.append(f"on disk: the state file {s['disk_bytes']['measured'] / 2**20:.2f} MiB (formula 12Ψ/N = "

@@ -119,7 +119,7 @@ class ZeRO2Engine:
         # Every micro-step reduces its complete buckets, so only the shard accumulates.
         if b.waiting == 0:
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
-            b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
+            b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # gets this rank's shard of the bucket's average
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())

@@ -139,7 +139,7 @@ class ZeRO3Engine:
         # [Recompute] b waits for gradients, so this is its forward run again in backward (--checkpoint_activations)
         backward = backward or b.waiting > 0
         # [/Recompute]
-        # b's backward is over when a gradient reaches an output of b's that does not depend on b's parameters
+        # b awaits no gradient: its backward is over (this output's gradient does not reach its parameters)
         if backward and not b.waiting:
             require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)
             return
@@ -193,7 +193,7 @@ class ZeRO3Engine:
             # the bucket's backward is done: free its full parameters
             self._free(b)
             # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
-            b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
+            b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # gets this rank's shard of the bucket's average
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())

@@ -478,7 +478,7 @@ def build_model(Engine, cfg, device, dtype, checkpoint_activations=False):
     return GPT(cfg, checkpoint_activations).to(device=device, dtype=dtype)
 
 def pick_run_dtype(args, device, rank, stage):
-    """The run's dtype (--dtype, or auto's choice), rank 0's for every rank (a timed probe must not split them), said
+    """The run's dtype (--dtype, or auto's choice), rank 0's for every rank (ranks on two machines must agree), said
     by rank 0 with the reason, and its loss scaler (on in fp16 only)."""
     dtype, why = from_rank0(pick_dtype(args.dtype, device) if rank == 0 else None)
     args.dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]

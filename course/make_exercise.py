@@ -7,7 +7,10 @@ make_exercise.py: turn a reference stage file into an exercise. Each region that
 
 is replaced by a TODO that says what the region must do, and a `raise NotImplementedError` that says it again when
 the code runs. Functions keep their signatures and docstrings (a class, its line and its methods'), so the exercise
-still imports; the test suite then grades it. By default the exercise blanks the file's newest idea (stage2.py:
+still imports; the test suite then grades it. An exercise is one lesson: a region of another lesson nested inside
+(stage3.py's [Prefetch] and [Recompute] in [ZeRO-3]) stays as it is, the `raise` at the place before it or after it
+that had code, and each misuse the blanked code refuses (its `require` calls, which the grade checks) is written out
+in the TODO. By default the exercise blanks the file's newest idea (stage2.py:
 ZeRO-2); `--tag` picks others.
 
     python course/make_exercise.py stage2.py                        # writes exercises/stage2.py
@@ -54,10 +57,63 @@ def signature_and_docstring(body, k):
     return body[k:j]
 
 
-def blank_region(indent, tag, todo, body):
+def nested_end(lines, i):
+    """The index of the line that closes the region opened at lines[i]."""
+    tag = BEGIN.match(lines[i]).group("tag")
+    return next(j for j in range(i + 1, len(lines)) if (e := END.match(lines[j])) and e.group("tag") == tag)
+
+
+def keep_nested(indent, lines, message, tag, fill=False):
+    """A blanked body: each region of another lesson nested in it kept as it is (that lesson's code, given), and the
+    code around them replaced by the TODO's `raise`, at the first place that had code (a later place: a comment).
+    fill: the code kept in those places instead (the answer, written where the exercise asks for it)."""
+    out, gap, raised = [], [], False
+
+    def close_gap():
+        nonlocal raised
+        if any(line.strip() and not line.strip().startswith("#") for line in gap):
+            if fill:
+                out.extend(gap)
+            else:
+                out.append(f"{indent}# TODO [{tag}] continues here" if raised else f"{indent}raise "
+                           f"NotImplementedError({message!r})")
+            raised = True
+        gap.clear()
+
+    i = 0
+    while i < len(lines):
+        if BEGIN.match(lines[i]):
+            close_gap()
+            j = nested_end(lines, i)
+            out += lines[i:j + 1]
+            i = j + 1
+        else:
+            gap.append(lines[i])
+            i += 1
+    close_gap()
+    if not raised and not fill:
+        out.insert(0, f"{indent}raise NotImplementedError({message!r})")
+    return out
+
+
+def checks(tag, lines):
+    """The TODO's lines for the misuses the blanked code refuses (its `require` calls): the grade checks them."""
+    out = []
+    for line in lines:
+        if line.strip().startswith("require("):
+            out += [f"# TODO [{tag}]: the grade checks that this refuses a misuse with the project's message, as",
+                    f"#     {line.strip()}"]
+    return out
+
+
+def blank_region(indent, tag, todo, body, fill=False):
     todo = todo.rstrip()
     message = f"TODO [{tag}]: {todo}"
     out = [f"{indent}# TODO [{tag}]: {todo}"]
+    nested = list(dict.fromkeys(m.group("tag") for line in body if (m := BEGIN.match(line))))
+    if nested:
+        given = " and ".join(f"[{t}]" for t in nested)
+        out.append(f"{indent}# (the {given} code inside is another lesson's: given, keep it as it is)")
     # a region that is a class (offload.py's later ideas): its line and docstring kept, and its methods blanked
     classes = [k for k, line in enumerate(body) if line.startswith(indent + "class ")]
     if classes:
@@ -65,14 +121,22 @@ def blank_region(indent, tag, todo, body):
         indent += "    "
     defs = [k for k, line in enumerate(body) if line.startswith(indent + "def ")]
     if not defs:
-        out.append(f"{indent}raise NotImplementedError({message!r})")
-    for k in defs:
+        out += [indent + line for line in checks(tag, body)]
+        out += keep_nested(indent, body, message, tag, fill)
+    for n, k in enumerate(defs):
         # its decorators (@classmethod) too
         at = k
         while at > 0 and body[at - 1].startswith(indent + "@"):
             at -= 1
-        out += body[at:k] + signature_and_docstring(body, k)
-        out.append(f"{indent}    raise NotImplementedError({message!r})")
+        head = signature_and_docstring(body, k)
+        # its body: up to the next def, less the comments and decorators that lead into it
+        end = defs[n + 1] if n + 1 < len(defs) else len(body)
+        while end > k + len(head) and (not body[end - 1].strip() or body[end - 1].startswith(indent + "@")
+                                       or body[end - 1].startswith(indent + "#")):
+            end -= 1
+        inside = body[k + len(head):end]
+        out += body[at:k] + head + [indent + "    " + line for line in checks(tag, inside)]
+        out += keep_nested(indent + "    ", inside, message, tag, fill)
         out.append("")
     if defs:
         out.pop()
@@ -100,9 +164,11 @@ def replace_regions(lines, tags, replace):
     return out
 
 
-def make_exercise(source, tags):
+def make_exercise(source, tags, fill=False):
+    """The exercise: `tags`' regions blanked. fill: the answer instead, each blanked place filled with the reference's
+    code (the regions' code less the other lessons' regions nested in them, which the exercise gives)."""
     def blank(m, body):
-        return blank_region(m.group("indent"), m.group("tag"), m.group("todo"), body)
+        return blank_region(m.group("indent"), m.group("tag"), m.group("todo"), body, fill)
     return "\n".join(replace_regions(source.splitlines(), tags, blank)) + "\n"
 
 
@@ -140,7 +206,7 @@ def main(argv=None):
     out.write_text(make_exercise(source, tags))
     link_helpers(out.parent)
     print(f"wrote {out}: blanked {', '.join(tags)}; run it with: torchrun --standalone --nproc_per_node 2 {out} "
-          f"--preset tiny; grade it with: python -m pytest tests --stage {out}")
+          f"--preset tiny --dtype fp32; grade it with: python -m pytest tests --stage {out}")
     return out
 
 

@@ -10,6 +10,7 @@ machine's GPUs."""
 import atexit
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -53,6 +54,9 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
     config.addinivalue_line("markers", "quick: the learner's check (`pytest tests -m quick`): every stage's parity with "
                             "the reference on 2 ranks")
+    config.addinivalue_line("markers", "slip: a check whose failure names a slip by its signature; grading (--stage) "
+                            "runs these first and says their failures at once, above the other checks'")
+    SLIPS.config = config if config.getoption("stage") else None
 
 
 def stage_files(config):
@@ -72,6 +76,32 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         return (LONGEST_FIRST.index(name), 0) if name in LONGEST_FIRST else (len(LONGEST_FIRST), -tests[name])
     items.sort(key=rank)
+    if config.getoption("stage"):  # the checks that name a slip first (a stable sort keeps the order above)
+        items.sort(key=lambda item: item.get_closest_marker("slip") is None)
+
+
+class SLIPS:
+    """Grading (--stage): its configuration, whose terminal says at once a failure that names its slip ("the slip:
+    ...")."""
+    config = None
+    said = set()
+
+
+def pytest_runtest_logreport(report):
+    """Grading: a failure whose message names a slip is written out as it happens, one line, above the failures."""
+    if SLIPS.config is None or not report.failed or report.longrepr is None:
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr)
+    slip = next((line for line in message.splitlines() if "the slip: " in line), None)
+    if slip is not None:
+        slip = slip[slip.index("the slip: "):]
+        said = (report.nodeid.split("[")[-1].split("-")[0], slip.split(" (")[0].split(":")[1])  # (the file, the slip)
+        if said not in SLIPS.said:
+            SLIPS.said.add(said)
+            terminal = SLIPS.config.pluginmanager.get_plugin("terminalreporter")
+            terminal.write("\n")
+            terminal.write_line(f"{report.nodeid.split('::')[-1]}: {slip}")
 
 
 def pytest_collection_finish(session):
@@ -254,8 +284,12 @@ class Runner:
             else:
                 p = self.spawn(script, nproc, [*args, "--out", str(out), "--save_master", str(master)], env)
             if p.returncode != 0 or not out.exists() or not master.exists():
+                # the suite's settings are the reference's, which trains them: a learning rate is no cause here
+                said = re.sub(r"; lower --lr \(it is [^)]*\) or --warmup's start, or check --data",
+                              ": the reference trains these settings, so the stage file made it, not the learning rate",
+                              "\n".join(last_lines(p.stdout + p.stderr, 25)))
                 self.cache[key] = (f"this run failed (exit code {p.returncode}):\n  {' '.join(cmd)}\n--- its last output ---\n"
-                                   + "\n".join(last_lines(p.stdout + p.stderr, 25)))
+                                   + said)
             else:
                 self.cache[key] = Run(json.loads(out.read_text()), torch.load(master), p.stdout, p.stderr)
         if isinstance(self.cache[key], str):  # a failed run fails every test that needs it, without running again

@@ -272,6 +272,17 @@ SLIPS = {
         "            require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)\n",
         ["tests/test_call_patterns.py::test_each_unit_gathered_once_a_call_and_once_for_its_backward"],
         "stage 3 gathers a unit whose backward is over when a gradient reaches another of its outputs"),
+    "stage3_no_wait_before_use": (
+        "stage3.py", "        self._gather(b)\n        self._wait(b)\n", "        self._gather(b)\n",
+        ["tests/test_call_patterns.py::test_parameters_are_used_after_their_gather_lands"],
+        "stage 3's unit computes on parameters whose all-gather has not landed (no wait() before use)"),
+    "stage3_gradient_reduced_twice": (
+        "stage3.py",
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        "            comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG)\n"
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        ["tests/test_stages.py::test_communication_bytes_match_formula[stage3-2]"],
+        "stage 3 reduce-scatters each bucket twice (the numbers unchanged: the same average twice)"),
     "offload_prefetch_of_a_finished_backward": (
         "offload.py", "        after = [n for n in order[order.index(b) + 1:] if n.waiting or not backward]\n",
         "        after = order[order.index(b) + 1:]\n",
@@ -379,6 +390,14 @@ SLIPS = {
         "bench/animate.py", "            held[k] = held.get(k, 0) + n\n", "            held[k] = held.get(k, 0)\n",
         ["tests/test_animate.py::test_a_unit_never_freed_shows_at_the_end"],
         "the animation's bars leave out the units gathered and the buckets in flight"),
+    "animate_live_counts_the_data_set": (
+        "bench/animate.py", "live=memory - data_bytes,", "live=memory,",
+        ["tests/test_animate.py::test_frames_agree_with_the_ledgers[stage3.py]"],
+        "the animation's live counts the data set, which the run's memory table leaves out"),
+    "animate_no_update_frame": (
+        "bench/animate.py", "            if i == done:\n", "            if i == -1:\n",
+        ["tests/test_animate.py::test_frames_agree_with_the_ledgers[stage3.py]"],
+        "no frame says that the optimizer updated the shard"),
     "offload_copy_down_every_micro_step": (
         "offload.py", "            if self.sync:\n                self.squares[",
         "            if True:\n                self.squares[",

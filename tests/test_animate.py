@@ -50,7 +50,17 @@ def test_frames_agree_with_the_ledgers(recorded, script):
     assert ("reduce-scatter" in events) == (script != "stage0_ddp.py")
     assert ("C++ AdamW" in events and "a copy to the host" in events) == (script == "offload.py")
     assert "its memory peaks" in events
+    # the optimizer's update has a frame of its own, on the captioned rank
+    assert any(f["event"].startswith("the optimizer step is done") for f in animate.drawn(data))
     if script == "stage3.py":
+        # live is the run's table's (the data set left out): stage 3's step ends holding its model states and little
+        # else (what the meter has not yet seen freed, under load), so its live then is the table's (after backward)
+        # to within half the data set, where counting the data set would put it a whole data set off
+        end = {f["rank"]: f["ranks"][f["rank"]]["live"] for f in data}
+        for r, live in end.items():
+            table = summary["live_tensor_bytes_per_rank"][r]
+            assert abs(live - table) < summary["data_bytes"] / 2, (
+                f"rank {r}: the frames' live at the end {live:,} bytes, the table's {table:,}")
         tags = {tag for f in data for tag in f["lesson"].split()}
         assert {"[ZeRO-3]", "[Prefetch]", "[ZeRO-2]"} <= tags
 
@@ -156,20 +166,34 @@ def test_a_unit_never_freed_shows_at_the_end(recorded, tmp_path):
 
 
 def test_the_command_draws_the_gif(tmp_path):
-    """bench/README.md's command, published into tmp_path: its GIF has a frame for each frame drawn() keeps; --steps
-    is refused in one line."""
+    """bench/README.md's command, published into tmp_path: it prints the frame list; its GIF has a frame for each frame
+    drawn() keeps, each on screen as long as durations() says; --frames writes those frames as stills at least 1000
+    pixels wide; the published frames name no path of this checkout; --steps, --device and a frame beyond the list
+    are refused in one line."""
     gif = tmp_path / "stage3.gif"
     cmd = [sys.executable, str(ROOT / "bench" / "animate.py"), "stage3.py", "--nproc", "2", "--preset", "tiny",
-           "--dtype", "fp32", "--results", str(tmp_path / "results"), "--out", str(gif)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+           "--dtype", "fp32", "--out", str(gif)]
+    p = subprocess.run(cmd + ["--frames", "2", "--results", str(tmp_path / "results")], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert p.returncode == 0, "\n".join(last_lines(p.stdout + p.stderr, 25))
     summary, ranks = animate.read(tmp_path / "stage3")
     data = animate.frames(summary, ranks)
+    shown = animate.drawn(data)
+    listed = animate.frame_list(shown)
+    assert "\n".join(listed) in p.stdout and listed[0].split()[0] == "1" and len(listed) == len(shown)
     with Image.open(gif) as im:
-        assert im.n_frames == len(animate.drawn(data))
-    published = json.loads((tmp_path / "results" / "animate" / "stage3.frames.json").read_text())
+        assert im.n_frames == len(shown)
+        times = []
+        for k in range(im.n_frames):
+            im.seek(k)
+            times.append(im.info["duration"])
+        assert times == animate.durations(shown) and max(times) > min(times)
+    with Image.open(tmp_path / "results" / "animate" / "stage3.frame02.png") as still:
+        assert still.width >= 1000, still.size
+    text = (tmp_path / "results" / "animate" / "stage3.frames.json").read_text()
+    published = json.loads(text)
     assert published["ranks"] == json.loads(json.dumps(ranks))
+    assert str(ROOT) not in text and str(tmp_path) not in text, "the published frames name a path of this machine"
     refused = subprocess.run(cmd + ["--steps", "5"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         "error: the animation is of a 2-step run's second step (the memory meter's and the timeline's): leave "
@@ -177,24 +201,55 @@ def test_the_command_draws_the_gif(tmp_path):
     refused = subprocess.run(cmd + ["--device", "cuda"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         "error: the animated step runs on the CPU, whose memory meter records every allocation: leave --device out"]
+    beyond = len(shown) + 1
+    refused = subprocess.run(cmd + ["--from_dir", "--frames", f"2,{beyond}"], capture_output=True, text=True, cwd=ROOT,
+                             timeout=60)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        f"error: --frames {beyond}: this run draws {len(shown)} frames (listed above); pick numbers from 1 to "
+        f"{len(shown)}"]
+
+
+def readme_stills():
+    """README.md's stills of the published animation: {frame number: what README says it shows}."""
+    text = (ROOT / "README.md").read_text()
+    return {int(k): alt for alt, k in re.findall(r"!\[([^\]]*)\]\(bench/results/animate/stage3\.frame(\d+)\.png\)",
+                                                 text)}
 
 
 def test_the_published_animation_is_its_frames(tmp_path):
-    """bench/results/animate/stage3.*: the frames of the published run pass every check, the page's table is theirs,
-    and the GIF is drawn from them (its first and last frames drawn again here, pixel for pixel)."""
+    """bench/results/animate/stage3.*: the frames of the published run pass every check, the page's table is theirs;
+    README's three stills are the frames it says (a unit gathered in forward, the peak with a gradient in flight, the
+    end with the ledger's states inside the formula's outline), each drawn again here pixel for pixel; the GIF is
+    drawn from the same frames (its first and last again here) and keeps the key frames on screen longer."""
     folder = results.RESULTS / "animate"
     published = json.loads((folder / "stage3.frames.json").read_text())
     summary, ranks = published["summary"], published["ranks"]
     data = animate.frames(summary, ranks)
+    shown = animate.drawn(data)
     assert animate.check(summary, ranks, data) == []
+    stills = readme_stills()
     body = (folder / "stage3.md").read_text().split("\n\n", 1)[1]
-    assert body.strip() == animate.report(summary, data).strip(), "re-run bench/README.md's animate command"
-    last = len(animate.drawn(data)) - 1
-    animate.draw(summary, data, tmp_path / "again.gif", only=(0, last))
-    with Image.open(folder / "stage3.gif") as shown, Image.open(tmp_path / "again.gif") as again:
-        assert shown.n_frames == last + 1, "re-run bench/README.md's animate command"
-        for k, j in ((0, 0), (last, 1)):
-            shown.seek(k)
+    assert body.strip() == animate.report(summary, data, sorted(stills)).strip(), "re-run bench/README.md's command"
+    assert len(stills) == 3, stills
+    gather, peak, end = (shown[k - 1] for k in sorted(stills))
+    r = gather["rank"]
+    assert "computes its forward" in gather["event"] and gather["ranks"][r]["flight"].get("params"), gather
+    assert peak["moment"] == "the peak" and peak["ranks"][r]["flight"].get("grads"), peak
+    assert end is shown[-1]
+    assert {k: n for k, n in end["ranks"][r]["held"].items() if n} == {
+        k: n for k, n in summary["model_state_bytes_per_rank"][r].items() if n}
+    assert sum(end["ranks"][r]["held"].values()) <= sum(v["theory"] for v in summary["model_state_bytes"].values())
+    animate.draw(summary, data, tmp_path / "again.gif", sorted(stills), tmp_path, only=(1, len(shown)))
+    for k in stills:
+        with Image.open(folder / f"stage3.frame{k:02d}.png") as shown_png, \
+                Image.open(tmp_path / f"frame{k:02d}.png") as again:
+            assert shown_png.convert("RGB").tobytes() == again.convert("RGB").tobytes(), (
+                f"bench/results/animate/stage3.frame{k:02d}.png is not frame {k} of its frames: re-run the command")
+    with Image.open(folder / "stage3.gif") as gif, Image.open(tmp_path / "again.gif") as again:
+        assert gif.n_frames == len(shown), "re-run bench/README.md's animate command"
+        for k, j in ((0, 0), (len(shown) - 1, 1)):
+            gif.seek(k)
             again.seek(j)
-            assert shown.convert("RGB").tobytes() == again.convert("RGB").tobytes(), (
-                f"frame {k} of bench/results/animate/stage3.gif is not its frames': re-run the command")
+            assert gif.convert("RGB").tobytes() == again.convert("RGB").tobytes(), (
+                f"frame {k + 1} of bench/results/animate/stage3.gif is not its frames': re-run the command")
+            assert gif.info["duration"] == animate.durations(shown)[k]

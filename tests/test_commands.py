@@ -69,7 +69,9 @@ COVERED = {
     "python bench/timeline.py offload.py --nproc 2 --preset small --steps 8 --delayed_update --out "
     "runs/tl/offload_delayed_update --results": "test_timeline_results",
     "python bench/estimate.py --params 7.5e9 --world_size 64 --results": "test_estimate",
-    "python bench/animate.py stage3.py --nproc 2 --preset tiny --dtype fp32 --results":
+    "python bench/animate.py stage3.py --nproc 2 --preset tiny --dtype fp32 --frames 8,21,37 --results":
+        "tests/test_animate.py::test_the_command_draws_the_gif",
+    "python bench/animate.py stage3.py --nproc 2 --preset tiny --dtype fp32 --frames 8,21,37":
         "tests/test_animate.py::test_the_command_draws_the_gif",
     "python bench/bench_nvme.py --results": "tests/test_nvme.py::test_bench_quick",
     "python bench/bench_nvme.py --quick": "tests/test_nvme.py::test_bench_quick",
@@ -85,7 +87,7 @@ COVERED = {
     "python course/make_exercise.py stage2.py": "test_make_exercise",
     "python course/make_lessons.py": "test_make_lessons",
     "python course/make_lessons.py --files steps": "tests/test_course.py::test_steps_and_exercises_run_by_hand",
-    "torchrun --standalone --nproc_per_node 2 steps/offload_without_NVMe.py --preset tiny":
+    "torchrun --standalone --nproc_per_node 2 steps/offload_without_NVMe.py --preset tiny --dtype fp32":
         "tests/test_course.py::test_steps_and_exercises_run_by_hand",
     # examples/README.md
     "torchrun --standalone --nproc_per_node 2 examples/any_model.py --stage stage2.py":

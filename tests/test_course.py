@@ -72,6 +72,37 @@ def test_each_marker_blanks_on_its_own():
             assert exercise.count(f"# [{other}]") == source.count(f"# [{other}]"), f"blanking {tag} touched {other}"
 
 
+def code_tokens(source):
+    """The source's tokens, comments and blank lines left out."""
+    import io
+    import tokenize
+    return [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type not in (tokenize.COMMENT, tokenize.NL)]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_exercise_is_one_lesson(stage):
+    """Each exercise blanks its own lesson only: another lesson's region nested in it (stage3.py's [Prefetch] and
+    [Recompute] in [ZeRO-3]) stays as it is; the course's own answer, written where the exercise's TODOs ask for it
+    (make_exercise(..., fill=True)), is the reference's code, token for token; and each misuse the blanked code
+    refuses (a `require` the grade checks) is announced in the TODO."""
+    source = (ROOT / stage).read_text()
+    for tag in tags_in(source):
+        exercise = make_exercise(source, [tag])
+        compile(exercise, f"{stage}:{tag}", "exec")
+        for other in set(tags_in(source)) - {tag}:
+            assert exercise.count(f"# [{other}]") <= source.count(f"# [{other}]")
+        answer = make_exercise(source, [tag], fill=True)
+        assert code_tokens(answer) == code_tokens(source), f"{stage} [{tag}]: the answer is not the reference's code"
+        for line in source.splitlines():
+            if line.strip().startswith("require(") and line.strip() not in exercise:
+                assert False, f"{stage} [{tag}]: the exercise drops `{line.strip()}` and no TODO announces it"
+    if stage == "stage3.py":
+        exercise = make_exercise(source, ["ZeRO-3"])
+        for nested in ("Prefetch", "Recompute"):
+            assert exercise.count(f"# [{nested}]") == source.count(f"# [{nested}]"), f"[ZeRO-3] blanks [{nested}]"
+
+
 def broken(tmp_path, stage, old, new):
     source = (ROOT / stage).read_text()
     assert source.count(old) == 1, f"{stage} no longer contains {old!r}: update this test"
@@ -88,6 +119,36 @@ def test_common_mistakes_are_named(tmp_path):
     code, out = grade([summed, kept], tmp_path, "(parity and broken_stage0 and 2) or (freed and broken_stage2 and 2)")
     assert code != 0 and "summed over the ranks, not averaged" in out, out[-3000:]
     assert "memory of the full gradient" in out, out[-3000:]
+
+
+def test_the_first_screen_names_the_slip(tmp_path):
+    """Three slips planted in stage 3's answer, graded as a teacher grades (the checks that name a slip, at N = 2):
+    each file's slip is said on the grade's first screen, above the failures; a run that a slip made diverge says
+    nothing of the learning rate (the suite's settings are the reference's)."""
+    reduce = "            comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG)\n"
+    late = ("        if backward and not b.waiting:\n"
+            "            require(any(n.waiting for n in self.buckets), Misuse.OUTSIDE_BACKWARD)\n            return\n")
+    slips = {"no_wait": ("        self._gather(b)\n        self._wait(b)\n", "        self._gather(b)\n",
+                         "the slip: parameters used before their all-gather landed"),
+             "late": (late, "", "the slip: a unit gathered after its backward was over"),
+             "twice": ("            b.work = comm.reduce_scatter(", reduce + "            b.work = comm.reduce_scatter(",
+                       "the slip: each gradient reduced 2 times a step")}
+    source = (ROOT / "stage3.py").read_text()
+    paths = {}
+    for name, (old, new, _) in slips.items():
+        assert source.count(old) == 1, f"stage3.py no longer contains {old!r}: update this test"
+        paths[name] = tmp_path / f"{name}_stage3.py"
+        paths[name].write_text(source.replace(old, new))
+    tests = [str(ROOT / "tests" / f) for f in ("test_call_patterns.py", "test_stages.py")]
+    cmd = [sys.executable, "-m", "pytest", *tests, *[a for p in paths.values() for a in ("--stage", str(p))], "-q",
+           "-m", "slip", "-k", "not -4]", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "pytest")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    out = p.stdout + p.stderr
+    first_screen = out[:out.index("= FAILURES =")] if "= FAILURES =" in out else out
+    for name, (_, _, said) in slips.items():
+        named = [line for line in first_screen.splitlines() if f"[{name}_stage3" in line and said in line]
+        assert named, f"{name}: the grade's first screen does not say {said!r}:\n{first_screen[-3000:]}"
+    assert "lower --lr" not in out, out[-3000:]
 
 
 def test_a_copy_without_record_stream_is_named(tmp_path):

@@ -5,7 +5,9 @@ import importlib
 import json
 import math
 import os
+import random
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -133,32 +135,50 @@ def test_out_of_range_options_refused_at_start(args, expected):
 # ---------------------------------------------------------------------------------------------------------------
 # --dtype auto: the choice follows from what it reads; no assertion here depends on the CPU that runs it
 
-def fake_cpu(monkeypatch, native_bf16, speedup):
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16, raising=False)
-    monkeypatch.setattr(devices, "bf16_matmul_speedup", lambda: speedup)
+def fake_cpu(monkeypatch, flags, onednn=True):
+    """A CPU whose /proc/cpuinfo lists these bf16 flags, and whose oneDNN says it has (or lacks) a bf16 path."""
+    monkeypatch.setattr(devices, "native_bf16", lambda: flags)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn, raising=False)
 
 
-@pytest.mark.parametrize("native_bf16, speedup, expected", [
-    (False, 0.0125, torch.float32),  # AVX2 only: torch's fallback, ~80x slower (and the probe is not even run)
-    (True, 0.9, torch.float32),      # oneDNN emulates bf16 (AVX-512 without BF16): no faster, so fp32's exactness
-    (True, 2.0, torch.bfloat16),     # AMX or AVX512-BF16
-    (True, 7.0, torch.bfloat16),
+@pytest.mark.parametrize("flags, onednn, expected", [
+    ([], False, torch.float32),                           # AVX2 only: torch's bf16 is a fallback, ~80x slower
+    ([], True, torch.float32),                            # AVX-512 without BF16: oneDNN only emulates bf16
+    (["avx512_bf16"], True, torch.bfloat16),              # AMD Zen 4, Zen 5
+    (["amx_bf16", "avx512_bf16"], True, torch.bfloat16),  # Intel Sapphire Rapids
+    (["avx512_bf16"], False, torch.float32),              # a torch whose oneDNN has no bf16 path
 ])
-def test_auto_dtype_on_cpu(monkeypatch, native_bf16, speedup, expected):
-    fake_cpu(monkeypatch, native_bf16, speedup)
+def test_auto_dtype_on_cpu(monkeypatch, flags, onednn, expected):
+    fake_cpu(monkeypatch, flags, onednn)
     dtype, why = devices.pick_dtype("auto", torch.device("cpu"))
     assert dtype == expected and why.startswith("auto: ")
+    assert all(flag in why for flag in flags) if expected == torch.bfloat16 else "no native bf16" in why
+
+
+def test_auto_dtype_is_the_same_on_every_run(monkeypatch):
+    """On a CPU with native bf16, under a clock that jumps (a loaded machine), ten choices in a row are one: auto
+    reads what the CPU has, and times nothing."""
+    fake_cpu(monkeypatch, ["avx512_bf16"])
+    noise = random.Random(0)
+    monkeypatch.setattr(time, "perf_counter", lambda: noise.uniform(0, 1e3))
+    monkeypatch.setattr(time, "time", lambda: noise.uniform(0, 1e3))
+    picked = {devices.pick_dtype("auto", torch.device("cpu")) for _ in range(10)}
+    assert len(picked) == 1, picked
 
 
 def test_explicit_dtype_is_never_overridden(monkeypatch):
-    fake_cpu(monkeypatch, False, 0.01)
+    fake_cpu(monkeypatch, [], False)
     assert devices.pick_dtype("bf16", torch.device("cpu"))[0] == torch.bfloat16
     assert devices.pick_dtype("fp32", torch.device("cpu"))[0] == torch.float32
     assert devices.pick_dtype("fp16", torch.device("cpu"))[0] == torch.float16  # slow on a CPU, but asked for
 
 
-def test_the_probe_measures_something():
-    assert 0 < devices.bf16_matmul_speedup(n=64, repeats=2) < math.inf
+def test_the_cpus_flags_are_read():
+    """native_bf16 reads this machine's /proc/cpuinfo: what it returns is among the flags listed there."""
+    found = devices.native_bf16()
+    assert set(found) <= {"amx_bf16", "avx512_bf16"}
+    if found:
+        assert all(f" {flag}" in open("/proc/cpuinfo").read() for flag in found)
 
 
 def test_first_line_names_the_dtype_and_the_formula(runner):

@@ -98,12 +98,21 @@ def test_model_state_bytes_match_formula(runner, stage_file, nproc):
             f"{s['model_state_bytes_per_rank'][0]}: shards must be equal"
 
 
+@pytest.mark.slip
 @pytest.mark.parametrize("nproc", [2, 4])  # at N = 1 a ring sends nothing: the formula and the ledger both say 0
 def test_communication_bytes_match_formula(runner, stage_file, nproc):
     s = train(runner, stage_file, nproc).summary
     for op, v in s["comm_bytes_per_step"]["by_collective"].items():
-        assert v["measured"] == pytest.approx(v["theory"], rel=1e-9, abs=1e-6), (
-            f"{s['stage']} at N={nproc}: {op} sent {v['measured']:,.0f} bytes per step, the formula says {v['theory']:,.0f}")
+        where = (f"{s['stage']} at N={nproc}: {op} sent {v['measured']:,.0f} bytes per step, the formula says "
+                 f"{v['theory']:,.0f}")
+        # the gradients' collective (not the norm's scalar) at a whole multiple of the formula: each gradient reduced
+        # that many times
+        gradients = op == "reduce_scatter" or op == "all_reduce" and v["theory"] > 64
+        times = v["measured"] / v["theory"] if gradients else 1
+        assert not (times >= 2 and times == round(times)), (
+            f"the slip: each gradient reduced {times:.0f} times a step ({where}): a bucket's {op} issued again (a hook "
+            f"that reduces the same bucket twice, or backward reducing what a hook already did)")
+        assert v["measured"] == pytest.approx(v["theory"], rel=1e-9, abs=1e-6), where
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
