@@ -183,6 +183,7 @@ class ZeROOffloadEngine:
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
+            self.outside.order.issued(b)  # every rank must gather the same unit now: step() checks
 
     def _use(self, b, backward):
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
@@ -241,6 +242,7 @@ class ZeROOffloadEngine:
             # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
+            self.outside.order.issued(b)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
@@ -278,6 +280,8 @@ class ZeROOffloadEngine:
         # no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
+        # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
+        self.outside.order.agree()
         # [Offload] wait for the gradients on the CPU; the global norm and AdamW there (C++); the new parameters back
         self.copies.landed()
         if self.grad_acc is not None:
@@ -388,6 +392,7 @@ class ZeRO3OffloadEngine(ZeROOffloadEngine):
         # (without CUDA the stream is None, and this `with` changes nothing)
         with torch.cuda.stream(self.copies.stream):
             b.gather = comm.all_gather(b.param, shard, async_op=True)
+        self.outside.order.issued(b)
 
     def _send(self, where):
         if not self.args.offload_params:

@@ -133,6 +133,7 @@ class ZeRO3Engine:
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
+            self.outside.order.issued(b)  # every rank must gather the same unit now: step() checks
 
     def _use(self, b, backward):
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
@@ -195,6 +196,7 @@ class ZeRO3Engine:
             # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # this rank's part of the sum: its shard's size
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
+            self.outside.order.issued(b)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
@@ -228,6 +230,8 @@ class ZeRO3Engine:
         for b in self.buckets:
             self._free(b)
         # [/ZeRO-3]
+        # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
+        self.outside.order.agree()
         # the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)

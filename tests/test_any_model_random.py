@@ -10,7 +10,7 @@ from conftest import ROOT, last_lines
 SCRIPT = str(ROOT / "tests" / "random_models.py")
 # between them: reuse, nesting, every output structure, frozen units, a tied weight, width 1; a unit that returns
 # its bias (seeds 1, 3, 5), a unit's weight read by the root (1, 4), one tied to the root's linear (2, 3, 5)
-SEEDS = "0-5"
+SEEDS = "0-5,10,12"
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
