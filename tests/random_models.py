@@ -69,6 +69,17 @@ def unwrap(out):
     return out if isinstance(out, torch.Tensor) else out.value
 
 
+class Linear(nn.Linear):
+    """An nn.Linear that may keep a view of its weight from its forward (self.cached = self.weight.t()), for the root
+    to use after it ran: on stage 3 and offload, after its unit is freed."""
+    caches = False
+
+    def forward(self, x):
+        if self.caches:
+            self.cached = self.weight.t()
+        return super().forward(x)
+
+
 class Unit(nn.Module):
     """A linear map of the width, or two nested in an nn.ModuleList (units in a unit), or one with a 1-element scale;
     its output wrapped in a structure."""
@@ -77,14 +88,11 @@ class Unit(nn.Module):
         self.kind = kind
         self.shape = shape
         self.returns_bias = False  # (output, its last linear's bias): the caller adds the bias
-        self.inner = nn.ModuleList(nn.Linear(width, width) for _ in range(2 if kind == "nested" else 1))
+        self.inner = nn.ModuleList(Linear(width, width) for _ in range(2 if kind == "nested" else 1))
         if kind == "scaled":
             self.scale = nn.Parameter(torch.ones(1) * 0.9)
-        self.caches = False  # keeps a view of its first weight (self.cached) from its forward, for the root
 
     def forward(self, x):
-        if self.caches:
-            self.cached = self.inner[0].weight.t()
         y = x
         for layer in self.inner:
             y = torch.tanh(layer(y))
@@ -143,7 +151,7 @@ class RandomModel(nn.Module):
         self.moe = MoE(self.width, 3) if r.random() < 0.3 else None
         self.cache_reader = r.randrange(n) if r.random() < 0.3 else None  # the root uses this unit's kept view
         if self.cache_reader is not None:
-            self.units[self.cache_reader].caches = True
+            self.units[self.cache_reader].inner[0].caches = True
         self.gain = nn.Parameter(torch.tensor(0.9)) if r.random() < 0.3 else None
         self.written = r.random() < 0.2  # the head's weight halved in place after step 0
         self.description = (f"RandomModel({seed}): width {self.width}, units {list(zip(kinds, shapes))}, calls "
@@ -167,7 +175,7 @@ class RandomModel(nn.Module):
         if self.moe is not None:
             h = h + 0.5 * self.moe(h)
         if self.cache_reader is not None:
-            h = h + 0.5 * torch.tanh(h @ self.units[self.cache_reader].cached)
+            h = h + 0.5 * torch.tanh(h @ self.units[self.cache_reader].inner[0].cached)
         return self.head(h) * self.gain if self.gain is not None else self.head(h)
 
     def __repr__(self):
