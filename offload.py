@@ -185,7 +185,7 @@ class ZeROOffloadEngine:
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
-            self.outside.order.issued(b)  # every rank must gather the same unit now: step() checks
+            self.outside.order.issued(b)
 
     def _use(self, b, backward):
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
@@ -237,9 +237,8 @@ class ZeROOffloadEngine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        # A bucket is reduced once complete, not in bucket order as in stages 0-2: the ranks run their units in one
-        # order (step() checks it), and so complete their buckets in one order. Every micro-step reduces its complete
-        # buckets, so only the shard accumulates.
+        # Reduced once complete: the ranks run their units, and so complete their buckets, in one order (step() checks
+        # it). Every micro-step reduces its complete buckets, so only the shard accumulates.
         if b.waiting == 0:
             # the bucket's backward is done: free its full parameters
             self._free(b)
