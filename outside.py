@@ -10,7 +10,7 @@ Outside engine.forward a read gathers nothing (a gather is a collective: one ran
 a freed parameter used there, or held from before a step, raises a line that names it, its unit and the fix
 (Sharded), where torch would read freed memory or fail naming nothing. A view made of a parameter (a module that keeps
 `self.weight.t()` from its forward) shares the bucket's storage, and so its freeing: torch makes it a ParamView, which
-is read as its parameter is (in engine.forward, used outside its unit, it gathers the unit; elsewhere, freed, it raises).
+is read as its parameter is (in engine.forward, outside its unit, it gathers the unit; elsewhere, freed, it raises).
 A unit's all-gather pairs with whatever the other ranks gather at that moment: if ranks run units in different orders (a
 mixture of experts whose experts run in a data-dependent order), their collectives pair different units. Each rank
 hashes the units of its collectives in the order issued, and the ranks compare the hashes at each step, before the

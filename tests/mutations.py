@@ -382,18 +382,18 @@ SLIPS = {
         "the timeline draws the step before's NVMe write as the step's own (bench_nvme then counts its bytes)"),
     "stage0_buckets_in_completion_order": (
         "stage0_ddp.py",
-        "        while self.sync and self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket].waiting:\n"
-        "            b = self.buckets[self.next_bucket]\n",
+        "        while self.sync and self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket]"
+        ".waiting:\n            b = self.buckets[self.next_bucket]\n",
         "        if b.waiting == 0 and self.sync:\n",
         ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage0_ddp-2]"],
-        "stage 0 reduces a bucket the moment it completes: ranks that complete them in other orders pair wrong buckets"),
+        "stage 0 reduces a bucket the moment it completes: ranks completing them in other orders pair wrong buckets"),
     "stage2_buckets_in_completion_order": (
         "stage2.py",
         "        while self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket].waiting:\n"
         "            b = self.buckets[self.next_bucket]\n",
         "        if b.waiting == 0:\n",
         ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage2-2]"],
-        "stage 2 reduces a bucket the moment it completes: ranks that complete them in other orders pair wrong buckets"),
+        "stage 2 reduces a bucket the moment it completes: ranks completing them in other orders pair wrong buckets"),
     "stage3_unit_order_unchecked": (
         "stage3.py", "        self.outside.order.agree()\n", "",
         ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage3-2]"],
@@ -406,7 +406,8 @@ SLIPS = {
     "checkpoint_0d_view": (
         "checkpoint.py", "t.view(shapes[name]) for name", "t.view(*shapes[name]) for name",
         ["tests/test_any_model.py::test_a_0d_parameter_in_gather_master[offload]",
-         "tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage1-1]"], "gather_master views a 0-d parameter's values with t.view(): a TypeError"),
+         "tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage1-1]"],
+        "gather_master views a 0-d parameter's values with t.view(): a TypeError"),
     "stage1_write_between_steps_undone": (
         "stage1.py", "        require([p._version for p in self.bucket_of] == self.versions, Misuse.WRITTEN)\n", "",
         ["tests/test_any_model.py::test_a_write_between_steps_is_refused_before_the_update[stage1]",

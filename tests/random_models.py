@@ -212,9 +212,10 @@ def reference(model, args):
     return losses, norms, masters
 
 
-def engine_run(engine, model, args, rank, world_size, losses, norms):
+def engine_run(engine, model, args, losses, norms):
     """Train STEPS steps, each step's loss and norm appended as it ends (a refusal leaves the steps done)."""
-    per = BATCH // world_size
+    rank = dist.get_rank()
+    per = BATCH // dist.get_world_size()
     for step in range(STEPS):
         if step == 1 and model.written:
             with torch.no_grad():
@@ -254,7 +255,7 @@ def check(seed, Engine, args, rank, world_size, moe_unit=False):
     losses, norms = [], []
     refusal = None
     try:
-        engine_run(engine, model, args, rank, world_size, losses, norms)
+        engine_run(engine, model, args, losses, norms)
     except RuntimeError as e:
         refusal = str(e)
     ref_losses, ref_norms, ref_masters = reference(expected_model, args)
