@@ -46,19 +46,22 @@ def guarded(func, args, kwargs):
         if getattr(func, "__name__", None) in METADATA:
             return func(*args, **kwargs)
         ins = [x for a in (*args, *kwargs.values()) for x in (a if isinstance(a, (list, tuple)) else [a])]
-        params = {}  # storage data_ptr -> the parameter whose bucket it is
-        for t in [t for t in ins if isinstance(t, (Sharded, ParamView))]:
-            p = t if type(t) is Sharded else t.param
+        # each guarded tensor in, and the parameter it is or views
+        params = [(t, t if type(t) is Sharded else t.param) for t in ins if isinstance(t, (Sharded, ParamView))]
+        for t, p in params:
             if t.numel() and not t.untyped_storage().nbytes():
                 p.outside._read(p)
             if t.numel() and not t.untyped_storage().nbytes():
                 raise RuntimeError(FREED.format(p.where))
-            params[t.untyped_storage().data_ptr()] = p
         out = func(*args, **kwargs)
         for o in out if isinstance(out, (list, tuple)) else [out]:
-            if type(o) is torch.Tensor and o.untyped_storage().nbytes() and o.untyped_storage().data_ptr() in params:
-                o.__class__ = ParamView
-                o.param = params[o.untyped_storage().data_ptr()]
+            # a view, or a tensor at a parameter's own address (p.detach()), may share a parameter's storage
+            if type(o) is torch.Tensor and (o._is_view() or any(o.data_ptr() == t.data_ptr() for t, _ in params)):
+                storage = o.untyped_storage()
+                for t, p in params:
+                    if storage.nbytes() and storage.data_ptr() == t.untyped_storage().data_ptr():
+                        o.__class__ = ParamView
+                        o.param = p
         return out
 
 class Sharded(nn.Parameter):

@@ -399,7 +399,7 @@ SLIPS = {
         ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage3-2]"],
         "stage 3 never compares the ranks' unit orders: experts run in a data-dependent order train on mixed weights"),
     "outside_views_unguarded": (
-        "outside.py", "                o.__class__ = ParamView\n", "                pass\n",
+        "outside.py", "                        o.__class__ = ParamView\n", "                        pass\n",
         ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage3-1]",
          "tests/test_any_model.py::test_a_view_kept_past_its_unit_trains_or_names_its_parameter[stage3]"],
         "a view of a ZeRO-3 parameter kept past its unit's free is a plain tensor: used, it reads freed memory"),
