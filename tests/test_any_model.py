@@ -4,7 +4,9 @@ its exit code; each misuse of an engine stops with one line that names the fix; 
 choosing, and trains parameters that leave their unit as the reference does. The misuse checks and those models
 build engines in this process, as a world of one."""
 import inspect
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import test_stages
-from checkpoint import gather_master
+from checkpoint import gather_master, load_checkpoint, save_checkpoint
 from conftest import ROOT, last_lines
 from devices import free_port
 from test_offload import SIMULATED
@@ -322,10 +324,16 @@ def test_a_write_between_steps_is_refused_before_the_update(world_of_one, stage_
     assert all(torch.equal(before[name], after[name]) for name in before)
 
 
-def test_a_0d_parameter_in_gather_master(world_of_one, stage_file):
-    """A LayerScale gain: a 0-d trained parameter comes back from gather_master as a 0-d tensor."""
-    model = any_model.SetClassifier()
-    model.gain = nn.Parameter(torch.tensor(0.9))
-    engine, _ = build(stage_file, world_of_one, model)
-    master = gather_master(engine)
+def test_a_0d_parameter_in_gather_master_and_checkpoints(world_of_one, stage_file, tmp_path):
+    """A LayerScale gain: a 0-d trained parameter comes back from gather_master as a 0-d tensor, and a checkpoint
+    carries it into another engine."""
+    engines = []
+    for gain in (0.9, 0.5):
+        model = any_model.SetClassifier()
+        model.gain = nn.Parameter(torch.tensor(gain))
+        engines.append(build(stage_file, world_of_one, model)[0])
+    master = gather_master(engines[0])
     assert master["gain"].shape == () and master["gain"].item() == pytest.approx(0.9)
+    where = save_checkpoint(str(tmp_path), engines[0], 0, {}, world_of_one)
+    load_checkpoint(where, json.loads((Path(where) / "manifest.json").read_text()), engines[1], world_of_one)
+    assert gather_master(engines[1])["gain"].item() == pytest.approx(0.9)
