@@ -55,11 +55,11 @@ def guarded(func, args, kwargs):
                 raise RuntimeError(FREED.format(p.where))
         out = func(*args, **kwargs)
         for o in out if isinstance(out, (list, tuple)) else [out]:
-            # a view, or a tensor at a parameter's own address (p.detach()), may share a parameter's storage
-            if type(o) is torch.Tensor and (o._is_view() or any(o.data_ptr() == t.data_ptr() for t, _ in params)):
-                storage = o.untyped_storage()
+            # a view (p.t(), p[0], p.detach()) shares its parameter's storage: the same storage object (_cdata)
+            if type(o) is torch.Tensor:
+                storage = o.untyped_storage()._cdata
                 for t, p in params:
-                    if storage.nbytes() and storage.data_ptr() == t.untyped_storage().data_ptr():
+                    if storage == t.untyped_storage()._cdata:
                         o.__class__ = ParamView
                         o.param = p
         return out
