@@ -267,7 +267,7 @@ def check(seed, Engine, args, rank, world_size, moe_unit=False):
         if "\n" in refusal or not any(re.search(a, refusal) for a in allowed):
             return [f"refused with: {refusal}"]
     elif model.written:
-        problems.append("a write to a trained parameter between steps was neither refused nor honoured")
+        problems.append("a write to a trained parameter between steps was not refused")
     if refusal is not None and re.search(ORDER, refusal) and not moe_unit:
         problems += check(seed, Engine, args, rank, world_size, moe_unit=True) or []
     for what, got, expected in (("loss", losses, ref_losses), ("gradient norm", norms, ref_norms)):
