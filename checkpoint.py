@@ -256,7 +256,7 @@ def assemble(pieces, shapes):
             full[name][lo:hi] = values
             covered[name] += hi - lo
     missing = [name for name in shapes if covered[name] != full[name].numel()]
-    return {name: t.view(*shapes[name]) for name, t in full.items()}, missing
+    return {name: t.view(shapes[name]) for name, t in full.items()}, missing
 
 _host_group = []
 

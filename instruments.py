@@ -691,7 +691,9 @@ def amount(nbytes):
 def comm_moves(stage):
     """What each collective of a stage moves, as the bytes line of a run's table says it."""
     gathered = "the updated parameters" if stage in ("stage1", "stage2") else "the parameters, in forward and backward"
-    return {"all_reduce": "the gradients" if stage == "stage0" else "the gradient norm: one float64 scalar",
+    scalars = "the gradient norm: one float64 scalar" if stage in ("stage1", "stage2") else (
+        "the gradient norm and the units' order: three float64 scalars")
+    return {"all_reduce": "the gradients" if stage == "stage0" else scalars,
             "reduce_scatter": "the gradients", "all_gather": gathered, "broadcast": "the model's buffers"}
 
 def memory_table(s, th):

@@ -177,6 +177,8 @@ class ZeROOffloadEngine:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
+        # torch counts each parameter's in-place writes: one written outside the engine is refused (step)
+        self.versions = [p._version for p in self.bucket_of]
 
     # the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -200,6 +202,7 @@ class ZeROOffloadEngine:
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
+            self.outside.order.issued(b)
 
     def _use(self, b, backward):
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
@@ -251,13 +254,15 @@ class ZeROOffloadEngine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        # Every micro-step reduces its complete buckets, so only the shard accumulates.
+        # Reduced once complete: the ranks run their units, and so complete their buckets, in one order (step() checks
+        # it). Every micro-step reduces its complete buckets, so only the shard accumulates.
         if b.waiting == 0:
             # the bucket's backward is done: free its full parameters
             self._free(b)
             # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # gets this rank's shard of the bucket's average
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
+            self.outside.order.issued(b)
             # its copy down is queued now, behind the reduce-scatter, not behind the next bucket's backward
             self._release(b)
 
@@ -293,9 +298,13 @@ class ZeROOffloadEngine:
         # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False
+        # the master weights never see a write to a parameter: the update would undo it
+        require([p._version for p in self.bucket_of] == self.versions, Misuse.WRITTEN)
         # no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
+        # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
+        self.outside.order.agree()
         # [Offload] the global norm on the device, from the squares the buckets' shards left on their way down
         self.copies.joined()
         norm = self.squares.sum()
@@ -406,6 +415,7 @@ class ZeRO3OffloadEngine(ZeROOffloadEngine):
         # (without CUDA the stream is None, and this `with` changes nothing)
         with torch.cuda.stream(self.copies.stream):
             b.gather = comm.all_gather(b.param, shard, async_op=True)
+        self.outside.order.issued(b)
 
     def _send(self, where):
         if not self.args.offload_params:

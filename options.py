@@ -150,5 +150,8 @@ class Misuse:  # what an engine refuses, one line each (train_gpt.trained and ev
               "first one's dtype; cast the model to one dtype (model.to(dtype)) before building the engine")
     SPARSE = ("{} ({}) makes sparse gradients (sparse=True): an engine adds gradients into dense buckets; build it "
               "with sparse=False (the default)")
+    WRITTEN = ("engine.step: a trained parameter was written outside the engine since it was built or last stepped (an "
+               "in-place change): the update starts from the engine's master weights and would undo it; change trained "
+               "values before building the engine, or resume them from a checkpoint (checkpoint.py)")
     CHANGED = ("engine.forward: the model's trained parameters changed after the engine was built (a module added or "
                "replaced, requires_grad switched): build the engine after the model's last change")

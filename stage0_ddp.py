@@ -83,6 +83,8 @@ class DDPEngine:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
+        # torch counts each parameter's in-place writes: one written outside the engine is refused (step)
+        self.versions = [p._version for p in self.bucket_of]
 
     # [DDP] add p's gradient into its bucket; once it is complete (and sync), start its async all-reduce (an average)
     def _grad_ready(self, p):
@@ -94,7 +96,11 @@ class DDPEngine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        if b.waiting == 0 and self.sync:
+        # Complete buckets are reduced in bucket order, as DDP's Reducer does: a rank that completes them in another
+        # order (a data-dependent branch) must not pair its bucket's collective with another bucket on another rank.
+        while self.sync and self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket].waiting:
+            b = self.buckets[self.next_bucket]
+            self.next_bucket += 1
             b.work = comm.all_reduce(b.grad, op=dist.ReduceOp.AVG, async_op=True)
     # [/DDP]
 
@@ -108,6 +114,7 @@ class DDPEngine:
         self.sync = sync
         for b in self.buckets:
             b.waiting = len(b.params)
+        self.next_bucket = 0  # the first bucket whose collective has not started
         loss.backward()
         # Every gradient must have come.
         require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)
@@ -120,6 +127,8 @@ class DDPEngine:
         # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False
+        # the master weights never see a write to a parameter: the update would undo it
+        require([p._version for p in self.bucket_of] == self.versions, Misuse.WRITTEN)
         # Every rank holds the whole averaged gradient, and so computes the norm alone.
         norm = sum(sum_of_squares(b.grad) for b in self.buckets)
         norm = norm.sqrt()

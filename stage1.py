@@ -83,6 +83,8 @@ class ZeRO1Engine:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
+        # torch counts each parameter's in-place writes: one written outside the engine is refused (step)
+        self.versions = [p._version for p in self.bucket_of]
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -109,7 +111,11 @@ class ZeRO1Engine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        if b.waiting == 0 and self.sync:
+        # Complete buckets are reduced in bucket order, as DDP's Reducer does: a rank that completes them in another
+        # order (a data-dependent branch) must not pair its bucket's collective with another bucket on another rank.
+        while self.sync and self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket].waiting:
+            b = self.buckets[self.next_bucket]
+            self.next_bucket += 1
             # [ZeRO-1] reduce-scatter the bucket (average) into this rank's slice of grad_shard, asynchronously
             shard = self.grad_shard[self._shard_range(b)]  # where this rank's part of the average goes
             b.work = comm.reduce_scatter(shard, b.grad, op=dist.ReduceOp.AVG, async_op=True)
@@ -127,6 +133,7 @@ class ZeRO1Engine:
             self.grad_shard = torch.empty_like(self.master, dtype=self.buckets[0].grad.dtype)
         for b in self.buckets:
             b.waiting = len(b.params)
+        self.next_bucket = 0  # the first bucket whose collective has not started
         loss.backward()
         # Every gradient must have come.
         require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)
@@ -138,6 +145,8 @@ class ZeRO1Engine:
         # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False
+        # the master weights never see a write to a parameter: the update would undo it
+        require([p._version for p in self.bucket_of] == self.versions, Misuse.WRITTEN)
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)

@@ -86,6 +86,8 @@ class ZeRO2Engine:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
+        # torch counts each parameter's in-place writes: one written outside the engine is refused (step)
+        self.versions = [p._version for p in self.bucket_of]
 
     # [ZeRO-1] the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -116,8 +118,12 @@ class ZeRO2Engine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
+        # Complete buckets are reduced in bucket order, as DDP's Reducer does: a rank that completes them in another
+        # order (a data-dependent branch) must not pair its bucket's collective with another bucket on another rank.
         # Every micro-step reduces its complete buckets, so only the shard accumulates.
-        if b.waiting == 0:
+        while self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket].waiting:
+            b = self.buckets[self.next_bucket]
+            self.next_bucket += 1
             # [ZeRO-2] reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # gets this rank's shard of the bucket's average
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
@@ -142,6 +148,7 @@ class ZeRO2Engine:
         self.sync = sync
         for b in self.buckets:
             b.waiting = len(b.params)
+        self.next_bucket = 0  # the first bucket whose collective has not started
         loss.backward()
         # Every gradient must have come.
         require(not any(b.waiting for b in self.buckets), Misuse.NO_GRADIENT)
@@ -152,6 +159,8 @@ class ZeRO2Engine:
         # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False
+        # the master weights never see a write to a parameter: the update would undo it
+        require([p._version for p in self.bucket_of] == self.versions, Misuse.WRITTEN)
         # [ZeRO-1] the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)

@@ -110,6 +110,8 @@ class ZeRO3Engine:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # sync is True from a backward(loss, sync=True) until the step that uses its gradient.
         self.sync = False
+        # torch counts each parameter's in-place writes: one written outside the engine is refused (step)
+        self.versions = [p._version for p in self.bucket_of]
 
     # the partition: pad each bucket to a multiple of N; rank r owns the r-th of N equal slices of each
     def _pad(self, b):
@@ -133,6 +135,7 @@ class ZeRO3Engine:
         if b.param.untyped_storage().nbytes() == 0:
             b.param.untyped_storage().resize_(b.param.numel() * b.param.element_size())
             b.gather = comm.all_gather(b.param, self.param_shard[self._shard_range(b)], async_op=True)
+            self.outside.order.issued(b)
 
     def _use(self, b, backward):
         """Bucket b runs next (forward or backward): have its parameters; prefetch the next bucket's."""
@@ -188,13 +191,15 @@ class ZeRO3Engine:
         b.grad[self.offset[p]:self.offset[p] + p.numel()].add_(p.grad.view(-1))
         p.grad = None
         b.waiting -= 1
-        # Every micro-step reduces its complete buckets, so only the shard accumulates.
+        # Reduced once complete: the ranks run their units, and so complete their buckets, in one order (step() checks
+        # it). Every micro-step reduces its complete buckets, so only the shard accumulates.
         if b.waiting == 0:
             # the bucket's backward is done: free its full parameters
             self._free(b)
             # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # gets this rank's shard of the bucket's average
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
+            self.outside.order.issued(b)
             while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it
                 self._release(self.in_flight.pop())
             self.in_flight.append(b)
@@ -224,10 +229,14 @@ class ZeRO3Engine:
         # This gradient is used up: the next step needs another backward.
         require(self.sync, Misuse.NO_BACKWARD)
         self.sync = False
+        # the master weights never see a write to a parameter: the update would undo it
+        require([p._version for p in self.bucket_of] == self.versions, Misuse.WRITTEN)
         # [ZeRO-3] no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
         # [/ZeRO-3]
+        # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
+        self.outside.order.agree()
         # the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)

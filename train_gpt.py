@@ -214,10 +214,13 @@ def comm_theory(stage, n_params, world_size, param_bytes=2, grad_accum=1):
     (no_sync); stage 2 every micro-step; stage 3 gathers twice a micro-step (forward; backward, recompute included)."""
     once = n_params * param_bytes * (world_size - 1) / world_size  # one reduce-scatter or all-gather of all Ψ
     norm = 2 * 8 * (world_size - 1) / world_size  # one float64 scalar all-reduced: the shards' squared gradient norms
+    # stage 3 also all-reduces two float64 scalars, the hash of the units' order and its negative (outside.Order)
+    order = 2 * norm
     return {"reference": {}, "stage0": {"all_reduce": 2 * once},
             "stage1": {"reduce_scatter": once, "all_gather": once, "all_reduce": norm},
             "stage2": {"reduce_scatter": grad_accum * once, "all_gather": once, "all_reduce": norm},
-            "stage3": {"all_gather": 2 * grad_accum * once, "reduce_scatter": grad_accum * once, "all_reduce": norm},
+            "stage3": {"all_gather": 2 * grad_accum * once, "reduce_scatter": grad_accum * once,
+                       "all_reduce": norm + order},
             }[stage if stage != "offload" else "stage3"]
 
 # ----------------------------------------------------------------------------------------------------------

@@ -420,6 +420,39 @@ SLIPS = {
         "instruments.py", '**({"submitted_before_the_step": True} if a < t0 else {})', "**{}",
         ["tests/test_timeline.py::test_a_transfer_from_the_step_before_says_so"],
         "the timeline draws the step before's NVMe write as the step's own (bench_nvme then counts its bytes)"),
+    "stage0_buckets_in_completion_order": (
+        "stage0_ddp.py",
+        "        while self.sync and self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket]"
+        ".waiting:\n            b = self.buckets[self.next_bucket]\n",
+        "        if b.waiting == 0 and self.sync:\n",
+        ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage0_ddp-2]"],
+        "stage 0 reduces a bucket the moment it completes: ranks completing them in other orders pair wrong buckets"),
+    "stage2_buckets_in_completion_order": (
+        "stage2.py",
+        "        while self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket].waiting:\n"
+        "            b = self.buckets[self.next_bucket]\n",
+        "        if b.waiting == 0:\n",
+        ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage2-2]"],
+        "stage 2 reduces a bucket the moment it completes: ranks completing them in other orders pair wrong buckets"),
+    "stage3_unit_order_unchecked": (
+        "stage3.py", "        self.outside.order.agree()\n", "",
+        ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage3-2]"],
+        "stage 3 never compares the ranks' unit orders: experts run in a data-dependent order train on mixed weights"),
+    "outside_views_unguarded": (
+        "outside.py", "                        o.__class__ = ParamView\n", "                        pass\n",
+        ["tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage3-1]",
+         "tests/test_any_model.py::test_a_view_kept_past_its_unit_trains_or_names_its_parameter[stage3]"],
+        "a view of a ZeRO-3 parameter kept past its unit's free is a plain tensor: used, it reads freed memory"),
+    "checkpoint_0d_view": (
+        "checkpoint.py", "t.view(shapes[name]) for name", "t.view(*shapes[name]) for name",
+        ["tests/test_any_model.py::test_a_0d_parameter_in_gather_master_and_checkpoints[offload]",
+         "tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage1-1]"],
+        "gather_master views a 0-d parameter's values with t.view(): a TypeError"),
+    "stage1_write_between_steps_undone": (
+        "stage1.py", "        require([p._version for p in self.bucket_of] == self.versions, Misuse.WRITTEN)\n", "",
+        ["tests/test_any_model.py::test_a_write_between_steps_is_refused_before_the_update[stage1]",
+         "tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage1-1]"],
+        "stage 1 lets a write to a parameter between steps through: the next update silently undoes it"),
 }
 
 

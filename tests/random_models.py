@@ -8,13 +8,21 @@ A model is a few units in an nn.ModuleList called in a seeded order (some twice,
 units, outputs of any structure (dict, list, namedtuple, dataclass, non-tensors beside tensors), frozen units, weights
 tied across units, odd sizes and 1-element parameters; and parameters that leave their unit: a unit that returns its
 bias beside its output, a unit's weight read by the root after the unit ran, a unit's weight tied to a module that is
-no unit. Exits non-zero after printing, for each seed that differs by more
-than 1e-5 relative (losses, gradient norms, final weights), what differed and the model."""
+no unit; and four patterns where ranks may differ: experts of one size run in an order that depends on each rank's own
+data (a mixture of experts), a view of a unit's weight kept from its forward and used by the root after the unit ran
+(self.weight.t()), a 0-d trained parameter (a LayerScale gain), a write to a trained parameter between steps. Each
+engine trains a model as the reference does, or refuses it in one line before any update (the masters then equal
+the reference's after the steps done): the write on every engine, and on stage 3 and offload at N > 1 experts in
+data-dependent order as units (then, with the experts' caller one unit, units=[moe], it trains right). Exits non-zero
+after printing, for each seed that differs by more than 1e-5 relative (losses, gradient norms, final weights), what
+differed and the model; prints each refusal."""
 import argparse
 import dataclasses
 import datetime
+import inspect
 import os
 import random
+import re
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -61,6 +69,17 @@ def unwrap(out):
     return out if isinstance(out, torch.Tensor) else out.value
 
 
+class Linear(nn.Linear):
+    """An nn.Linear that may keep a view of its weight from its forward (self.cached = self.weight.t()), for the root
+    to use after it ran: on stage 3 and offload, after its unit is freed."""
+    caches = False
+
+    def forward(self, x):
+        if self.caches:
+            self.cached = self.weight.t()
+        return super().forward(x)
+
+
 class Unit(nn.Module):
     """A linear map of the width, or two nested in an nn.ModuleList (units in a unit), or one with a 1-element scale;
     its output wrapped in a structure."""
@@ -69,7 +88,7 @@ class Unit(nn.Module):
         self.kind = kind
         self.shape = shape
         self.returns_bias = False  # (output, its last linear's bias): the caller adds the bias
-        self.inner = nn.ModuleList(nn.Linear(width, width) for _ in range(2 if kind == "nested" else 1))
+        self.inner = nn.ModuleList(Linear(width, width) for _ in range(2 if kind == "nested" else 1))
         if kind == "scaled":
             self.scale = nn.Parameter(torch.ones(1) * 0.9)
 
@@ -82,6 +101,18 @@ class Unit(nn.Module):
         if self.returns_bias:
             return wrap(self.shape, y, x), self.inner[-1].bias
         return wrap(self.shape, y, x)
+
+
+class MoE(nn.Module):
+    """Experts of one size, each run on the whole input in an order that depends on the data (on each rank, its own
+    slice of the batch); their sum does not depend on the order."""
+    def __init__(self, width, n):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, h):
+        order = sorted(range(len(self.experts)), key=lambda i: float(torch.sin(100 * (i + 1) * h.detach().sum())))
+        return sum(torch.tanh(self.experts[i](h)) for i in order)
 
 
 class RandomModel(nn.Module):
@@ -116,11 +147,19 @@ class RandomModel(nn.Module):
             self.shared = r.randrange(n)
             self.mix = nn.Linear(self.width, self.width, bias=False)
             self.mix.weight = self.units[self.shared].inner[0].weight
+        # where ranks may differ (drawn after the rest, as the rest was drawn after what came before it)
+        self.moe = MoE(self.width, 3) if r.random() < 0.3 else None
+        self.cache_reader = r.randrange(n) if r.random() < 0.3 else None  # the root uses this unit's kept view
+        if self.cache_reader is not None:
+            self.units[self.cache_reader].inner[0].caches = True
+        self.gain = nn.Parameter(torch.tensor(0.9)) if r.random() < 0.3 else None
+        self.written = r.random() < 0.2  # the head's weight halved in place after step 0
         self.description = (f"RandomModel({seed}): width {self.width}, units {list(zip(kinds, shapes))}, calls "
                             f"{self.calls}, outputs also computed and unused for {self.unused}, frozen {self.frozen}, "
                             f"tied (first linear's weight) {self.tied}, returning their bias {self.returning}, weight "
                             f"read by the root {self.read}, weight tied to the root's linear "
-                            f"{self.shared if self.mix else None}")
+                            f"{self.shared if self.mix else None}, experts in data order {self.moe is not None}, view "
+                            f"kept by {self.cache_reader}, 0-d gain {self.gain is not None}, written {self.written}")
 
     def forward(self, x):
         h = x
@@ -133,7 +172,11 @@ class RandomModel(nn.Module):
             h = h + 0.5 * torch.tanh(h @ self.units[self.read].inner[0].weight.t())
         if self.mix is not None:
             h = h + 0.5 * torch.tanh(self.mix(h))
-        return self.head(h)
+        if self.moe is not None:
+            h = h + 0.5 * self.moe(h)
+        if self.cache_reader is not None:
+            h = h + 0.5 * torch.tanh(h @ self.units[self.cache_reader].inner[0].cached)
+        return self.head(h) * self.gain if self.gain is not None else self.head(h)
 
     def __repr__(self):
         return self.description
@@ -154,6 +197,7 @@ def reference(model, args):
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8,
                             weight_decay=args.weight_decay)
     losses, norms = [], []
+    masters = [{name: p.detach().clone() for name, p in model.named_parameters()}]
     for step in range(STEPS):
         x, y = batch(step, model.width)
         loss = loss_of(model(x), y)
@@ -164,13 +208,18 @@ def reference(model, args):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, norms
+        masters.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return losses, norms, masters
 
 
-def engine_run(engine, model, args, rank, world_size):
-    losses, norms = [], []
-    per = BATCH // world_size
+def engine_run(engine, model, args, losses, norms):
+    """Train STEPS steps, each step's loss and norm appended as it ends (a refusal leaves the steps done)."""
+    rank = dist.get_rank()
+    per = BATCH // dist.get_world_size()
     for step in range(STEPS):
+        if step == 1 and model.written:
+            with torch.no_grad():
+                model.head.weight.mul_(0.5)
         x, y = batch(step, model.width)
         loss = loss_of(engine.forward(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
         engine.backward(loss, sync=True)
@@ -178,29 +227,56 @@ def engine_run(engine, model, args, rank, world_size):
         total = loss.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.AVG)
         losses.append(total.item())
-    return losses, norms
 
 
 def off(got, expected):
     return abs(got - expected) > RTOL * max(abs(expected), 1e-3)
 
 
-def check(seed, Engine, args, rank, world_size):
-    """What differs between the engine and the reference on seed's model, or None."""
+# the one-line refusals a model may meet: a write between steps (stages 0-2; stage 3 and offload: the parameter is
+# freed), and units run in a data-dependent order (stage 3 and offload at N > 1)
+WRITTEN = r"^engine\.step: a trained parameter was written outside the engine|^head\.weight of unit the root is freed"
+ORDER = r"^the ranks' collectives paired different units \(collective \d+ of the step, rank 0: moe\.experts\.\d.*" \
+        r"units=\[model\.moe\]"
+
+
+def check(seed, Engine, args, rank, world_size, moe_unit=False):
+    """What differs between the engine and the reference on seed's model, or None. moe_unit: its experts' caller is
+    one unit (units=[moe])."""
     torch.manual_seed(seed)
     model = RandomModel(seed)
     expected_model = RandomModel(seed)
     expected_model.load_state_dict(model.state_dict())
-    engine = Engine(model, args, torch.device("cpu"))
-    losses, norms = engine_run(engine, model, args, rank, world_size)
-    ref_losses, ref_norms = reference(expected_model, args)
+    takes_units = "units" in inspect.signature(Engine).parameters
+    # the engine's own units (each nn.ModuleList's children), but with moe_unit the experts' caller for the experts
+    units = [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml
+             if not moe_unit or ml is not model.moe.experts] + [model.moe] * moe_unit
+    engine = Engine(model, args, torch.device("cpu"), **({"units": units} if takes_units else {}))
+    losses, norms = [], []
+    refusal = None
+    try:
+        engine_run(engine, model, args, losses, norms)
+    except RuntimeError as e:
+        refusal = str(e)
+    ref_losses, ref_norms, ref_masters = reference(expected_model, args)
     problems = []
+    allowed = [WRITTEN] * model.written + [ORDER] * (model.moe is not None and takes_units and world_size > 1)
+    if refusal is not None:
+        if rank == 0:
+            print(f"seed {seed}: refused after {len(norms)} steps: {refusal}", flush=True)
+        if "\n" in refusal or not any(re.search(a, refusal) for a in allowed):
+            return [f"refused with: {refusal}"]
+    elif model.written:
+        problems.append("a write to a trained parameter between steps was not refused")
+    if refusal is not None and re.search(ORDER, refusal) and not moe_unit:
+        problems += check(seed, Engine, args, rank, world_size, moe_unit=True) or []
     for what, got, expected in (("loss", losses, ref_losses), ("gradient norm", norms, ref_norms)):
         problems += [f"{what} at step {k}: {g:.8g}, expected {e:.8g}" for k, (g, e) in enumerate(zip(got, expected))
                      if off(g, e)]
     master = gather_master(engine)
     if rank == 0:
-        for name, p in expected_model.named_parameters():
+        # after a refusal, the masters the steps done left
+        for name, p in ref_masters[len(norms)].items():
             if name in master:
                 diff = (master[name].view_as(p) - p.detach()).abs().max().item()
                 if diff > RTOL * max(p.detach().abs().max().item(), 1e-3):
@@ -222,8 +298,12 @@ def sparse_refused(Engine, args):
 
 
 def seeds(text):
-    lo, _, hi = text.partition("-")
-    return range(int(lo), int(hi or lo) + 1)
+    """The seeds of "0-5,10,12"."""
+    found = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        found += range(int(lo), int(hi or lo) + 1)
+    return found
 
 
 def main():

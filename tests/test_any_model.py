@@ -4,7 +4,9 @@ its exit code; each misuse of an engine stops with one line that names the fix; 
 choosing, and trains parameters that leave their unit as the reference does. The misuse checks and those models
 build engines in this process, as a world of one."""
 import inspect
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import test_stages
-from checkpoint import gather_master
+from checkpoint import gather_master, load_checkpoint, save_checkpoint
 from conftest import ROOT, last_lines
 from devices import free_port
 from test_offload import SIMULATED
@@ -259,3 +261,79 @@ def test_sparse_gradients_are_refused(world_of_one, stage_file):
     model = nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True), nn.Linear(4, 2))
     refused(lambda: build(stage_file, world_of_one, model), Misuse.SPARSE.format("0", "EmbeddingBag"))
     assert "sparse=False" in Misuse.SPARSE
+
+
+# ---- where ranks may differ (random_models.py trains each pattern at N = 1, 2, 4): the one-line refusals, here
+
+class KeepsAView(nn.Module):
+    """FSDP's test_access_params_after_forward: a unit keeps a view of its weight from its forward (self.u.cached),
+    which the root uses after the unit ran."""
+    def __init__(self):
+        super().__init__()
+        self.u = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.u(x))
+        self.u.cached = self.u.weight.t()
+        return self.head(h @ self.u.cached)
+
+
+def test_a_view_kept_past_its_unit_trains_or_names_its_parameter(world_of_one, stage_file):
+    """In engine.forward the kept view gathers its unit again, and trains as the reference; after the step (its unit
+    freed) it fails in one line naming its parameter, never reading freed memory."""
+    Engine = any_model.load_engine(stage_file)
+    torch.manual_seed(0)
+    model, reference = KeepsAView(), KeepsAView()
+    reference.load_state_dict(model.state_dict())
+    args = parse_args(Engine, ["--steps", "2", "--warmup", "1", "--lr", "1e-2", "--dtype", "fp32"])
+    takes_units = "units" in inspect.signature(Engine).parameters
+    engine = Engine(model, args, world_of_one, **({"units": [model.u]} if takes_units else {}))
+    losses = []
+    for e in (engine, SingleDeviceEngine(reference, args, world_of_one)):
+        loss = e.forward(torch.ones(3, 4)).square().mean()
+        e.backward(loss, sync=True)
+        e.step(1e-2)
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6), losses
+    master = gather_master(engine)
+    for name, p in reference.named_parameters():
+        assert torch.allclose(master[name].view_as(p), p.detach(), rtol=0, atol=1e-6), name
+    if takes_units:
+        with pytest.raises(RuntimeError, match=r"^u\.weight of unit u is freed") as e:
+            model.u.cached.sum()
+        assert "\n" not in str(e.value)
+
+
+def test_a_write_between_steps_is_refused_before_the_update(world_of_one, stage_file):
+    """with torch.no_grad(): a trained weight halved after a step: stages 0-2 refuse at the next step (their master
+    would undo the write), stage 3 and offload at the write (the weight is freed); either way in one line, and the
+    trained values stay the first step's."""
+    (engine, model), _ = build_leaving(stage_file, world_of_one, "reads a weight")
+    engine.backward(engine.forward(torch.ones(2, 4)).sum(), sync=True)
+    engine.step(1e-2)
+    before = gather_master(engine)
+    try:
+        with torch.no_grad():
+            model.l1.weight.mul_(0.5)
+        engine.backward(engine.forward(torch.ones(2, 4)).sum(), sync=True)
+        refused(lambda: engine.step(1e-2), Misuse.WRITTEN)
+    except RuntimeError as e:
+        assert str(e).startswith("l1.weight of unit l1 is freed") and "\n" not in str(e), str(e)
+    after = gather_master(engine)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_0d_parameter_in_gather_master_and_checkpoints(world_of_one, stage_file, tmp_path):
+    """A LayerScale gain: a 0-d trained parameter comes back from gather_master as a 0-d tensor, and a checkpoint
+    carries it into another engine."""
+    engines = []
+    for gain in (0.9, 0.5):
+        model = any_model.SetClassifier()
+        model.gain = nn.Parameter(torch.tensor(gain))
+        engines.append(build(stage_file, world_of_one, model)[0])
+    master = gather_master(engines[0])
+    assert master["gain"].shape == () and master["gain"].item() == pytest.approx(0.9)
+    where = save_checkpoint(str(tmp_path), engines[0], 0, {}, world_of_one)
+    load_checkpoint(where, json.loads((Path(where) / "manifest.json").read_text()), engines[1], world_of_one)
+    assert gather_master(engines[1])["gain"].item() == pytest.approx(0.9)
