@@ -327,6 +327,11 @@ SLIPS = {
         "",
         ["tests/test_offload.py::test_delayed_update_stopped_and_resumed_at_two_ranks"],
         "--delayed_update saves while its CPU update is in flight (the checkpoint a step behind, or torn)"),
+    "nvme_save_without_landing_the_update": (
+        "offload.py", "        self._finish_update()\n        # the states, read into host memory for a checkpoint",
+        "        # the states, read into host memory for a checkpoint",
+        ["tests/test_nvme_tier.py::test_a_delayed_update_saved_mid_update_resumes_as_the_straight_run"],
+        "the NVMe tier's checkpoint reads the state file while --delayed_update's CPU update is still writing it"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
