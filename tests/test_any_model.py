@@ -259,3 +259,149 @@ def test_sparse_gradients_are_refused(world_of_one, stage_file):
     model = nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True), nn.Linear(4, 2))
     refused(lambda: build(stage_file, world_of_one, model), Misuse.SPARSE.format("0", "EmbeddingBag"))
     assert "sparse=False" in Misuse.SPARSE
+
+
+# ---- the outside guards (outside.py) through each path, at N = 1 and 2, in runs of their own: a slip there can
+# kill the process (a freed parameter's storage read as if it held values), which the test reports by name.
+# Every rank trains on the same batch, so the averaged gradient is the single-process reference's.
+
+OUTSIDE = """
+import sys
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {examples!r})
+from any_model import load_engine
+from checkpoint import gather_master
+from options import parse_args
+from train_gpt import PRESETS, GPTConfig, SingleDeviceEngine
+
+
+class ReadBeforeHeld(nn.Module):
+    # reads l1's weight before l1 runs, and uses it after l1 ran (l1 must stay gathered past its forward)
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        w = self.l1.weight
+        return F.linear(torch.tanh(self.l2(self.l1(x))), w)
+
+
+class ReadBeforeUsed(ReadBeforeHeld):
+    # uses l1's weight before l1 runs: its backward, the last, needs it after l1's own backward
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.l1.weight))
+        return self.l2(self.l1(h))
+
+
+class ViewOfBias(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight), self.bias.view(1, -1)
+
+
+class ReturnsAView(nn.Module):
+    # a unit that returns a view of its bias for the caller to add
+    def __init__(self):
+        super().__init__()
+        self.u = ViewOfBias(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y, bias = self.u(x)
+        return self.head(torch.tanh(y + bias))
+
+
+CASES = {{"read before its unit, held": (ReadBeforeHeld, lambda m: [m.l1, m.l2]),
+         "read before its unit, used": (ReadBeforeUsed, lambda m: [m.l1, m.l2]),
+         "a view in the output": (ReturnsAView, lambda m: [m.u])}}
+# a freed parameter inside an op's arguments: a list, a tuple, a list in the keyword arguments' dict
+USES = {{"a list": lambda w: torch.cat([w]), "a tuple": lambda w: torch.stack((w,)),
+        "a dict": lambda w: torch.cat(tensors=[w])}}
+
+Engine = load_engine(sys.argv[1])
+dist.init_process_group("gloo")
+args = parse_args(Engine, PRESETS, GPTConfig, ["--steps", "3", "--warmup", "1", "--lr", "1e-2", "--dtype", "fp32"])
+device = torch.device("cpu")
+for case in sys.argv[2:]:
+    print(f"case {{case}}", flush=True)
+    if case == "freed":
+        # after a step, l1's weight is freed: used inside an op's arguments, it names itself
+        model = ReadBeforeHeld()
+        engine = Engine(model, args, device, units=[model.l1, model.l2])
+        engine.backward(engine.forward(torch.ones(2, 4)).sum(), sync=True)
+        engine.step(1e-2)
+        for inside, use in USES.items():
+            print(f"case freed: l1.weight inside {{inside}} of an op's arguments", flush=True)
+            try:
+                use(model.l1.weight)
+            except RuntimeError as e:
+                if not str(e).startswith("l1.weight of unit l1 is freed"):
+                    raise
+                print(f"refused in {{inside}}", flush=True)
+            else:
+                sys.exit(f"error: a freed l1.weight inside {{inside}} of an op's arguments was read")
+        continue
+    make, units = CASES[case]
+    torch.manual_seed(0)
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    engine = Engine(model, args, device, units=units(model))
+    losses = []
+    for e in (engine, SingleDeviceEngine(reference, args, device)):
+        losses.append([])
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            loss = e.forward(x).square().mean()
+            e.backward(loss, sync=True)
+            e.step(1e-2)
+            losses[-1].append(loss.item())
+    if any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(*losses)):
+        sys.exit(f"error: {{case}}: losses {{losses[0]}}, the reference's {{losses[1]}}")
+    master = gather_master(engine)  # (rank 0's)
+    for name, p in reference.named_parameters() if master is not None else []:
+        if not torch.allclose(master[name].view_as(p), p.detach(), rtol=0, atol=1e-5 * p.abs().max().item()):
+            sys.exit(f"error: {{case}}: {{name}} is not the reference's after 3 steps")
+    print(f"trained as the reference: {{case}}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def run_outside(runner, tmp_path, stage_file, nproc, cases):
+    """The OUTSIDE script's `cases` at N = nproc, each trained as the reference (or, case "freed", refused in each of
+    USES): a failure names the case, and how the run ended."""
+    if "units" not in inspect.signature(any_model.load_engine(stage_file)).parameters:
+        pytest.skip("stages 0-2 keep every parameter whole")
+    script = tmp_path / "outside.py"
+    script.write_text(OUTSIDE.format(root=str(ROOT), examples=str(ROOT / "examples")))
+    p = runner.spawn(str(script), nproc, [stage_file, *cases], timeout=300)
+    started = [ln[len("case "):] for ln in p.stdout.splitlines() if ln.startswith("case ")]
+    died = f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
+    assert p.returncode == 0, (f"N={nproc}, {started[-1] if started else 'before the first case'}: {died}\n"
+                               + "\n".join(last_lines(p.stdout + p.stderr, 12)))
+    for case in cases:
+        done = [f"refused in {inside}" for inside in ("a list", "a tuple", "a dict")] if case == "freed" else \
+            [f"trained as the reference: {case}"]
+        assert all(p.stdout.count(f"{line}\n") == nproc for line in done), p.stdout
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_parameter_read_before_its_unit_runs_is_kept(runner, tmp_path, stage_file, nproc):
+    """The root reads l1.weight before l1 runs: the read gathers l1 and keeps it past l1's forward, whether the
+    weight is used then or held until after l1 ran (freed after l1's forward, the use fails in forward or backward)."""
+    run_outside(runner, tmp_path, stage_file, nproc, ["read before its unit, held", "read before its unit, used"])
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_view_of_a_parameter_in_a_units_output_keeps_the_unit(runner, tmp_path, stage_file, nproc):
+    """A unit returns self.bias.view(1, -1): the view's storage is the unit's, which must stay gathered until its
+    backward (freed, the caller adds a view of zero bytes)."""
+    run_outside(runner, tmp_path, stage_file, nproc, ["a view in the output"])
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_freed_parameter_inside_an_ops_arguments_names_itself(runner, tmp_path, stage_file, nproc):
+    """After a step, l1.weight inside a list (torch.cat([w])), a tuple (torch.stack((w,))) or a list in the keyword
+    arguments (torch.cat(tensors=[w])): one line naming it, not a read of its zero-byte storage."""
+    run_outside(runner, tmp_path, stage_file, nproc, ["freed"])
