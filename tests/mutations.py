@@ -345,6 +345,15 @@ SLIPS = {
         "outside.py", "for x in (a if isinstance(a, (list, tuple)) else [a])]", "for x in [a]]",
         ["tests/test_any_model.py::test_a_freed_parameter_inside_an_ops_arguments_names_itself"],
         "a freed parameter passed inside a list or tuple (torch.cat([w])) is read, not named"),
+    "sparse_refusal_of_the_roots_children_only": (
+        "options.py", "    for name, m in model.named_modules():\n        if getattr(m, \"sparse\"",
+        "    for name, m in model.named_children():\n        if getattr(m, \"sparse\"",
+        ["tests/test_any_model.py::test_a_nested_sparse_module_is_refused"],
+        "the sparse refusal looks only at the root's children (a nested nn.EmbeddingBag(sparse=True) is trained)"),
+    "sparse_refusal_of_a_frozen_module": (
+        "options.py", " is True and any(p.requires_grad for p in m.parameters(recurse=False)):", " is True:",
+        ["tests/test_any_model.py::test_a_nested_sparse_module_is_refused"],
+        "a frozen nn.EmbeddingBag(sparse=True), which makes no gradient, refused as if trained"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],

@@ -261,6 +261,21 @@ def test_sparse_gradients_are_refused(world_of_one, stage_file):
     assert "sparse=False" in Misuse.SPARSE
 
 
+def test_a_nested_sparse_module_is_refused(world_of_one, stage_file):
+    """An nn.EmbeddingBag(sparse=True) two levels down is refused by its path; frozen, it makes no gradient, and the
+    engine is built."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.EmbeddingBag(10, 4, sparse=True)), nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match=r"^0\.1 \(EmbeddingBag\) makes sparse gradients") as e:
+        build(stage_file, world_of_one, model)
+        pytest.fail("an engine was built on a nested nn.EmbeddingBag(sparse=True) (module 0.1)")
+    assert str(e.value) == Misuse.SPARSE.format("0.1", "EmbeddingBag"), str(e.value)
+    model[0][1].requires_grad_(False)
+    try:
+        build(stage_file, world_of_one, model)
+    except RuntimeError as e:
+        pytest.fail(f"a frozen nn.EmbeddingBag(sparse=True), which makes no gradient, refused: {e}")
+
+
 # ---- the outside guards (outside.py) through each path, at N = 1 and 2, in runs of their own: a slip there can
 # kill the process (a freed parameter's storage read as if it held values), which the test reports by name.
 # Every rank trains on the same batch, so the averaged gradient is the single-process reference's.
