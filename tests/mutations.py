@@ -354,6 +354,16 @@ SLIPS = {
         "options.py", " is True and any(p.requires_grad for p in m.parameters(recurse=False)):", " is True:",
         ["tests/test_any_model.py::test_a_nested_sparse_module_is_refused"],
         "a frozen nn.EmbeddingBag(sparse=True), which makes no gradient, refused as if trained"),
+    "progress_tflops_not_per_rank": (
+        "instruments.py", "        rate = speed(self.flops, tok_s, self.world_size, self.device, args.dtype)\n",
+        "        rate = speed(self.flops, tok_s, 1, self.device, args.dtype)\n",
+        ["tests/test_flops.py::test_progress_lines_and_report_agree_at_two_ranks"],
+        "the progress line's TFLOP/s per rank not divided by the ranks (2x the report's at N = 2)"),
+    "report_tflops_not_per_rank": (
+        "instruments.py", "**speed(run.flops, tokens_per_s, run.world_size, run.device, args.dtype),",
+        "**speed(run.flops, tokens_per_s, 1, run.device, args.dtype),",
+        ["tests/test_flops.py::test_progress_lines_and_report_agree_at_two_ranks"],
+        "the report's TFLOP/s per rank not divided by the ranks (2x the progress lines' at N = 2)"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
