@@ -87,7 +87,8 @@ def test_progress_lines_and_report_agree_at_two_ranks(runner):
                      "--eval_batches", "1", "--dtype", "fp32")
     s = run.summary
     assert s["world_size"] == 2
-    assert s["tflops_per_rank"] == pytest.approx(s["flops_per_token"] * s["tokens_per_s"] / 2 / 1e12)
+    assert s["tflops_per_rank"] == pytest.approx(s["flops_per_token"] * s["tokens_per_s"] / 2 / 1e12), (
+        f"the summary's TFLOP/s per rank at N=2, {s['tflops_per_rank']:.3g}, is not FLOPs x tokens/s over 2 ranks")
     # three progress lines, then the report's
     rates = re.findall(r"^stage0: (?:step \d+/3|val loss).* ([\d,]+) tokens/s, ([\d.e+-]+) TFLOP/s per rank$",
                        run.stdout, re.M)
