@@ -368,6 +368,11 @@ SLIPS = {
         "tests/fake_cuda.py", "                and part.storage_offset() * part.element_size() == start\n", "",
         ["tests/test_fake_cuda.py::test_an_in_place_all_gather_from_another_ranks_slice_is_refused"],
         "the fake device takes an in-place collective's input as the rank's slice at any offset of the output"),
+    "gpu_picked_by_the_global_rank": (
+        "devices.py", '    device = pick_device(args.device, int(os.environ["LOCAL_RANK"]))\n',
+        '    device = pick_device(args.device, int(os.environ["RANK"]))\n',
+        ["tests/test_fake_cuda.py::test_two_nodes_each_rank_on_its_nodes_gpu"],
+        "each rank's GPU picked by its global RANK, not LOCAL_RANK (right on one node, wrong on the second of two)"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],

@@ -6,7 +6,8 @@ collective's on the GPU, the C++ AdamW's on the host, and no host synchronisatio
 (offload's non_blocking copies into pinned memory are not one). Then the audit itself: copies of stage files with one
 line changed to a mistake CUDA would refuse (a reduce-scatter into host memory, a collective on a host tensor, an op
 mixing devices, a float() or a blocking copy to the host in backward) must fail it, naming the line and the devices;
-and rank 1's in-place all-gather from rank 0's slice of the output, where each rank's own slice passes.
+and rank 1's in-place all-gather from rank 0's slice of the output, where each rank's own slice passes. Two nodes of
+one GPU each: every rank on its node's cuda:0.
 No assertion depends on the CPU: no timing, no numbers."""
 import json
 import re
@@ -22,11 +23,12 @@ CONFIGS = {"stage0": ["stage0_ddp.py"], "stage1": ["stage1.py"], "stage2": ["sta
            "delayed_update": ["offload.py", "--delayed_update"]}
 
 
-def audit(tmp_path, script, *args, grad_accum=1, dtype="fp32", nproc=2, env=None):
-    """Train `script` on the fake CUDA device on nproc ranks; (the finished job, [each rank's report or None])."""
+def audit(tmp_path, script, *args, grad_accum=1, dtype="fp32", nproc=2, env=None, nodes=1):
+    """Train `script` on the fake CUDA device on nproc ranks (over `nodes` nodes); (the finished job, [each rank's
+    report or None])."""
     out, batch = tmp_path / "findings", ["--batch_size", str(2 * nproc * grad_accum), "--grad_accum", str(grad_accum)]
     job = Runner(tmp_path).spawn(FAKE_CUDA, nproc, [str(script), *RUN, *batch, "--dtype", dtype, *args],
-                                 env={"FAKE_CUDA_FINDINGS": str(out), **(env or {})}, timeout=300)
+                                 env={"FAKE_CUDA_FINDINGS": str(out), **(env or {})}, timeout=300, nodes=nodes)
     reports = [json.loads(f.read_text()) if f.exists() else None for f in (out / f"rank{r}.json" for r in range(nproc))]
     return job, reports
 
@@ -196,3 +198,14 @@ def test_an_in_place_all_gather_from_another_ranks_slice_is_refused(tmp_path, sl
     # rank 1's input named by where it lies (offset 0), against rank 0's own slice
     assert any("differs across ranks" in m and "input_tensor float32[4] in place: the rank's slice of output_tensor" in m
                and "input_tensor float32[4] made at gather.py:9 +0" in m for m in found), "\n".join(found)
+
+
+def test_two_nodes_each_rank_on_its_nodes_gpu(tmp_path):
+    """Two nodes of one GPU each: rank 1 is local rank 0 of the second node, and takes that node's cuda:0 (by its
+    rank it would ask for a cuda:1 the node does not have); nothing refused, every rank's memory on cuda:0."""
+    job, reports = audit(tmp_path, ROOT / "stage1.py", nproc=2, nodes=2)
+    assert job.returncode == 0 and all(reports), f"a two-node launch failed:\n{output(job)}"
+    refused = [m for r in reports for m in r["findings"]]
+    assert not refused, "CUDA would refuse:\n" + "\n".join(refused)
+    for r in reports:
+        assert list(r["memory"]) == ["0"] and r["memory"]["0"]["peak"] > 0, (r["rank"], r["memory"])
