@@ -373,6 +373,10 @@ SLIPS = {
         '    device = pick_device(args.device, int(os.environ["RANK"]))\n',
         ["tests/test_fake_cuda.py::test_two_nodes_each_rank_on_its_nodes_gpu"],
         "each rank's GPU picked by its global RANK, not LOCAL_RANK (right on one node, wrong on the second of two)"),
+    "outside_kept_across_forwards": (
+        "outside.py", "        model.register_forward_pre_hook(lambda m, inputs: self.kept.clear())\n", "",
+        ["tests/test_any_model.py::test_a_unit_kept_by_one_forward_is_freed_in_the_next"],
+        "a unit kept gathered by one forward's outside read stays kept in every later forward"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],

@@ -254,6 +254,36 @@ def test_a_freed_parameter_used_names_itself(world_of_one, stage_file):
         assert "\n" not in str(e.value)
 
 
+class ReadsOnRequest(ReadsAWeight):
+    """ReadsAWeight's read of l1.weight after l1 ran, in the forwards that ask for it (`read`)."""
+    read = True
+
+    def forward(self, x):
+        h = torch.tanh(self.l2(self.l1(x)))
+        return F.linear(h, self.l1.weight) if self.read else h
+
+
+def test_a_unit_kept_by_one_forward_is_freed_in_the_next(world_of_one, stage_file):
+    """A forward that reads l1.weight outside l1 keeps l1 gathered until its backward; the next forward, which does
+    not, frees l1 after l1's forward (each forward starts with no unit kept)."""
+    Engine = any_model.load_engine(stage_file)
+    if "units" not in inspect.signature(Engine).parameters:
+        pytest.skip("stages 0-2 keep every parameter whole")
+    model = ReadsOnRequest()
+    engine = Engine(model, parse_args(Engine, ["--dtype", "fp32"]), world_of_one, units=[model.l1, model.l2])
+    x = torch.ones(2, 4)
+    out = engine.forward(x)
+    assert model.l1.weight.untyped_storage().nbytes() > 0, "l1, read outside its unit, freed before its backward"
+    engine.backward(out.sum(), sync=True)
+    engine.step(1e-2)
+    model.read = False
+    out = engine.forward(x)
+    assert model.l1.weight.untyped_storage().nbytes() == 0, (
+        "l1 still gathered after a forward that read none of it: kept by the forward before")
+    engine.backward(out.sum(), sync=True)
+    engine.step(1e-2)
+
+
 def test_sparse_gradients_are_refused(world_of_one, stage_file):
     """torch's test_sparse_gradients model: nn.EmbeddingBag(sparse=True), refused as the engine is built."""
     model = nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True), nn.Linear(4, 2))
