@@ -377,6 +377,11 @@ SLIPS = {
         "outside.py", "        model.register_forward_pre_hook(lambda m, inputs: self.kept.clear())\n", "",
         ["tests/test_any_model.py::test_a_unit_kept_by_one_forward_is_freed_in_the_next"],
         "a unit kept gathered by one forward's outside read stays kept in every later forward"),
+    "timeline_nvme_wait_named_as_adams": (
+        "instruments.py", '            return TimedFuture(future, self, f"wait nvme {name}")\n',
+        "            return TimedFuture(future, self)\n",
+        ["tests/test_timeline.py::test_nvme_reads_run_beside_adam"],
+        "the timeline draws the host's wait for an NVMe transfer as a wait for --delayed_update's thread"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
