@@ -382,6 +382,11 @@ SLIPS = {
         "            return TimedFuture(future, self)\n",
         ["tests/test_timeline.py::test_nvme_reads_run_beside_adam"],
         "the timeline draws the host's wait for an NVMe transfer as a wait for --delayed_update's thread"),
+    "timeline_copies_named_the_other_way": (
+        "instruments.py", 'down(dst, src) if dst.device.type == "cpu" else up(dst, src)',
+        'down(dst, src) if src.device.type == "cpu" else up(dst, src)',
+        ["tests/test_gpu_check.py::test_gpu_check_without_a_gpu"],
+        "the timeline names offload's copies to the host as copies to the device, and the other way round"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
