@@ -387,6 +387,14 @@ SLIPS = {
         'down(dst, src) if src.device.type == "cpu" else up(dst, src)',
         ["tests/test_gpu_check.py::test_gpu_check_without_a_gpu"],
         "the timeline names offload's copies to the host as copies to the device, and the other way round"),
+    "beta_of_one_accepted": (
+        "options.py", "        if not 0 <= getattr(args, name) < 1:\n", "        if not 0 <= getattr(args, name) <= 1:\n",
+        ["tests/test_inputs.py::test_recipe_options_are_refused_in_one_line"],
+        "--beta2 1 accepted (Adam's bias correction divides by zero: every weight NaN)"),
+    "nan_rate_accepted": (
+        "options.py", "        if not getattr(args, name) >= 0:  # (NaN too)\n",
+        "        if getattr(args, name) < 0:  # (NaN too)\n",
+        ["tests/test_inputs.py::test_recipe_options_are_refused_in_one_line"], "--lr nan accepted"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
