@@ -395,6 +395,10 @@ SLIPS = {
         "options.py", "        if not getattr(args, name) >= 0:  # (NaN too)\n",
         "        if getattr(args, name) < 0:  # (NaN too)\n",
         ["tests/test_inputs.py::test_recipe_options_are_refused_in_one_line"], "--lr nan accepted"),
+    "gpu_past_the_nodes_last": (
+        "devices.py", "    if local_rank >= torch.cuda.device_count():\n", "    if local_rank > torch.cuda.device_count():\n",
+        ["tests/test_gpu_path.py::test_each_local_rank_takes_its_gpu_and_one_too_many_is_refused"],
+        "a local rank one past the node's last GPU is given that GPU (CUDA's invalid device ordinal at start)"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
