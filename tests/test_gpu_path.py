@@ -1,8 +1,8 @@
 """The decisions the CUDA path takes, checked on a CPU by giving them a GPU's answers: the dtype --dtype auto picks
 (bf16 where the GPU computes it, else fp16 with loss scaling), the C++ AdamW's threads beside a delayed update, what
 bench/largest.py refuses to run on a GPU, what bench/compare.py counts as "other" memory when the peak is the
-device's alone, the measured peak without cuBLAS's workspaces, and which GPU each local rank takes. (Where tensors live on a GPU is
-tests/test_fake_cuda.py's part; what a real GPU does, tests/test_gpu.py's.)"""
+device's alone, the measured peak without cuBLAS's workspaces, and which GPU each local rank takes. (Where tensors
+live on a GPU is tests/test_fake_cuda.py's part; what a real GPU does, tests/test_gpu.py's.)"""
 import sys
 
 import pytest
