@@ -388,7 +388,8 @@ SLIPS = {
         ["tests/test_gpu_check.py::test_gpu_check_without_a_gpu"],
         "the timeline names offload's copies to the host as copies to the device, and the other way round"),
     "beta_of_one_accepted": (
-        "options.py", "        if not 0 <= getattr(args, name) < 1:\n", "        if not 0 <= getattr(args, name) <= 1:\n",
+        "options.py", "        if not 0 <= getattr(args, name) < 1:\n",
+        "        if not 0 <= getattr(args, name) <= 1:\n",
         ["tests/test_inputs.py::test_recipe_options_are_refused_in_one_line"],
         "--beta2 1 accepted (Adam's bias correction divides by zero: every weight NaN)"),
     "nan_rate_accepted": (
@@ -396,7 +397,8 @@ SLIPS = {
         "        if getattr(args, name) < 0:  # (NaN too)\n",
         ["tests/test_inputs.py::test_recipe_options_are_refused_in_one_line"], "--lr nan accepted"),
     "gpu_past_the_nodes_last": (
-        "devices.py", "    if local_rank >= torch.cuda.device_count():\n", "    if local_rank > torch.cuda.device_count():\n",
+        "devices.py", "    if local_rank >= torch.cuda.device_count():\n",
+        "    if local_rank > torch.cuda.device_count():\n",
         ["tests/test_gpu_path.py::test_each_local_rank_takes_its_gpu_and_one_too_many_is_refused"],
         "a local rank one past the node's last GPU is given that GPU (CUDA's invalid device ordinal at start)"),
     "timeline_rank_overlap_inverted": (
