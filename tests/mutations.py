@@ -401,6 +401,11 @@ SLIPS = {
         "    if local_rank > torch.cuda.device_count():\n",
         ["tests/test_gpu_path.py::test_each_local_rank_takes_its_gpu_and_one_too_many_is_refused"],
         "a local rank one past the node's last GPU is given that GPU (CUDA's invalid device ordinal at start)"),
+    "outside_read_inside_its_own_unit_keeps_it": (
+        "outside.py", " and self.running.get(self.model) and not self.running.get(b.module):",
+        " and self.running.get(self.model):",
+        ["tests/test_any_model.py::test_a_unit_kept_by_one_forward_is_freed_in_the_next"],
+        "a unit's own forward reading its parameter (self.weight) keeps it gathered past its forward, every unit"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
