@@ -406,6 +406,11 @@ SLIPS = {
         " and self.running.get(self.model):",
         ["tests/test_any_model.py::test_a_unit_kept_by_one_forward_is_freed_in_the_next"],
         "a unit's own forward reading its parameter (self.weight) keeps it gathered past its forward, every unit"),
+    "fake_cuda_gather_list_compared_across_ranks": (
+        "tests/fake_cuda.py", '    rooted = [n for n, _ in named if n.startswith(("gather_list", "scatter_list"))]\n',
+        "    rooted = []\n",
+        ["tests/test_gpu.py::test_gpu_ledgers_device_and_host[stage1-2]"],
+        "the fake device compares a gather's list of outputs across ranks (the root's alone): gather_master refused"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
