@@ -222,12 +222,12 @@ def test_too_little_free_space_is_refused_at_the_start(runner, tmp_path):
 
 def test_a_delayed_update_saved_mid_update_resumes_as_the_straight_run(runner, tmp_path):
     """--delayed_update on NVMe, saved after step 3 while step 3's CPU update is in flight: the save lands the update
-    before it reads the state file, so stopped there and resumed, the run is bit for bit the straight run that saves
-    after step 3 too (a save that read the file under the update would keep step 2's states, or a torn mix)."""
+    before it reads the state file, so resumed from that checkpoint the run is bit for bit the run that saved it (a
+    save that read the file under the update would keep step 2's states, or a torn mix)."""
     delayed = [*MODEL, *with_options(["--delayed_update"])]
     straight = runner.run(OFFLOAD, 1, *delayed, *nvme(tmp_path), "--save_every", "3",
                           "--ckpt_dir", str(tmp_path / "straight"))
-    runner.run(OFFLOAD, 1, *delayed, *nvme(tmp_path), "--stop_after", "3", "--ckpt_dir", str(tmp_path / "stopped"))
-    resumed = runner.run(OFFLOAD, 1, *delayed, *nvme(tmp_path), "--resume", str(tmp_path / "stopped"))
+    resumed = runner.run(OFFLOAD, 1, *delayed, *nvme(tmp_path), "--resume", str(tmp_path / "straight" / "step_000003"),
+                         "--ckpt_dir", str(tmp_path / "resumed"))
     assert resumed.summary["resumed_from"] == 3
     assert_same_run(straight, resumed, "offload --delayed_update on NVMe, saved mid-update after step 3 and resumed")
