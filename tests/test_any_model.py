@@ -423,7 +423,9 @@ def run_outside(runner, tmp_path, stage_file, nproc, cases):
     script.write_text(OUTSIDE.format(root=str(ROOT), examples=str(ROOT / "examples")))
     p = runner.spawn(str(script), nproc, [stage_file, *cases], timeout=300)
     started = [ln[len("case "):] for ln in p.stdout.splitlines() if ln.startswith("case ")]
+    errors = [ln for ln in p.stderr.splitlines() if "Error: " in ln or ln.startswith("error: ")]
     died = f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
+    died += f" ({errors[-1].removeprefix('[rank0]: ')})" if errors else ""
     assert p.returncode == 0, (f"N={nproc}, {started[-1] if started else 'before the first case'}: {died}\n"
                                + "\n".join(last_lines(p.stdout + p.stderr, 12)))
     for case in cases:
