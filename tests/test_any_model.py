@@ -2,7 +2,8 @@
 mask): it matches the single-process reference at N = 1, 2, 4 to the GPT tests' tolerances, in fp32, and says so in
 its exit code; each misuse of an engine stops with one line that names the fix; stage 3 takes units of the caller's
 choosing, and trains parameters that leave their unit as the reference does. The misuse checks and those models
-build engines in this process, as a world of one."""
+build engines in this process, as a world of one; outside.py's guards are also run through each path in processes
+of their own at N = 1 and 2, where a slip that crashes the process fails naming its case."""
 import inspect
 import sys
 
