@@ -411,6 +411,73 @@ SLIPS = {
         "    rooted = []\n",
         ["tests/test_gpu.py::test_gpu_ledgers_device_and_host[stage1-2]"],
         "the fake device compares a gather's list of outputs across ranks (the root's alone): gather_master refused"),
+    "outside_read_outside_forward_gathers": (
+        "outside.py", "        if b is not None and self.running.get(self.model) and not",
+        "        if b is not None and not",
+        ["tests/test_any_model.py::test_a_freed_parameter_used_names_itself"],
+        "a read outside engine.forward gathers the unit (a collective one rank's read would hang the others on)"),
+    "outside_dataclass_outputs_unwalked": (
+        "outside.py", "    return [t for t in found + torch.utils._pytree.tree_leaves(fields) if",
+        "    return [t for t in found if",
+        ["tests/test_call_patterns.py::test_call_pattern_trains_as_the_reference[stage3-structured outputs]"],
+        "a forward's output walked without the tensors inside its dataclasses"),
+    "meter_blind_to_wrapped_tensors": (
+        "instruments.py", "    if is_traceable_wrapper_subclass(t):\n", "    if False:\n",
+        ["tests/test_shared.py::test_memory_meter_reads_a_wrapper_through_the_tensor_it_holds"],
+        "the memory meter counts nothing of a wrapper subclass (DTensor: FSDP2's parameters and moments)"),
+    "pinned_theory_without_the_spare_shard": (
+        "instruments.py", "(2 + delayed_update + offload_params)", "(2 + offload_params)",
+        ["tests/test_estimate.py::test_pinned_memory_as_pytorch_allocates_it"],
+        "the pinned-memory formula leaves out --delayed_update's second gradient shard"),
+    "n_embd_not_divisible_accepted": (
+        "options.py", "    if cfg.n_embd % cfg.n_head:\n", "    if False:\n",
+        ["tests/test_inputs.py::test_bad_input_one_line_error"],
+        "--n_embd that --n_head does not divide accepted (a traceback in the attention's view)"),
+    "batch_divisible_by_the_ranks_alone": (
+        "options.py", "    if args.batch_size % (world_size * args.grad_accum):\n",
+        "    if args.batch_size % world_size:\n",
+        ["tests/test_inputs.py::test_bad_input_one_line_error"],
+        "a batch that N divides but N x --grad_accum does not accepted"),
+    "nvme_no_buffer_accepted": (
+        "options.py", "    if nvme and args.nvme_buffer_count < 1:\n", "    if nvme and args.nvme_buffer_count < 0:\n",
+        ["tests/test_nvme_tier.py::test_bad_paths_get_one_line"], "--nvme_buffer_count 0 accepted"),
+    "adam_threads_every_core_per_rank": (
+        "devices.py", "    return max(1, cores // local - spare), cores, local\n",
+        "    return max(1, cores - spare), cores, local\n",
+        ["tests/test_cpu_adam.py::test_threads_are_the_ranks_share_of_the_cores"],
+        "every local rank's C++ AdamW takes every core of the node"),
+    "nvme_read_over_a_write_in_flight": (
+        "nvme.py", "        if write is not None:\n            write.result()\n", "",
+        ["tests/test_nvme.py::test_disk_states_of_unequal_buckets_through_one_buffer"],
+        "a bucket read into a buffer whose last write is still in flight"),
+    "nvme_read_kept_after_use": (
+        "nvme.py", "        self.reads.pop(k).result()\n", "        self.reads[k].result()\n",
+        ["tests/test_nvme.py::test_disk_states_of_unequal_buckets_through_one_buffer"],
+        "a bucket's finished read taken as this step's (its buffer since overwritten by another bucket)"),
+    "nvme_buffers_not_per_rank": (
+        "nvme.py", "    return buffer_count * round_up(12 * largest_bucket // world_size)\n",
+        "    return buffer_count * round_up(12 * largest_bucket)\n",
+        ["tests/test_nvme_tier.py::test_bit_identical_to_the_states_in_memory[fp32-N2-one_buffer]"],
+        "the NVMe tier's buffer formula sized for the whole bucket, not the rank's shard of it"),
+    "timeline_union_merges_gaps": (
+        "bench/timeline.py", "        if out and a <= out[-1][1]:\n", "        if out:\n",
+        ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces[stage0]"],
+        "bench/timeline.py's union of intervals bridges the gaps between them"),
+    "timeline_intersection_steps_both": (
+        "bench/timeline.py", "        if xs[i][1] < ys[j][1]:\n            i += 1\n        else:\n            j += 1\n",
+        "        i += 1\n        j += 1\n",
+        ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces[stage0]"],
+        "bench/timeline.py's intersection steps past both intervals at once (overlaps lost)"),
+    "timeline_begun_in_ignored": (
+        "bench/timeline.py", '        begun = begun_in is None or e["ts"] < ends.get(e["pid"], 0)\n',
+        "        begun = True\n",
+        ["tests/test_gpu.py::test_overlap_fractions_on_a_made_up_timeline"],
+        "under_phases counts a copy begun after backward's last kernel as a gradient copy of backward"),
+    "fake_cuda_object_syncs_not_set_apart": (
+        "tests/fake_cuda.py", '    seen["host syncs in object collectives"] += flags.objects',
+        '    seen["host syncs in object collectives"] += 0',
+        ["tests/test_end_of_run.py::test_one_host_sync_per_step[stage1.py-1-20]"],
+        "the fake device counts the host syncs of object collectives among the step's"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],
