@@ -296,15 +296,18 @@ class Runner:
             pytest.fail(self.cache[key], pytrace=False)
         return self.cache[key]
 
-    def spawn(self, script, nproc, args, env=None, timeout=900, grace=0.0):
+    def spawn(self, script, nproc, args, env=None, timeout=900, grace=0.0, nodes=1):
         """What torchrun does on one node: N ranks with the environment torch.distributed reads (RANK, WORLD_SIZE,
         LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and the whole job stopped as soon as one rank fails (after `grace`
-        seconds, for a test of ranks that must all stop by themselves)."""
+        seconds, for a test of ranks that must all stop by themselves). `nodes`: as torchrun on that many nodes of
+        N / nodes ranks each (LOCAL_RANK and GROUP_RANK each rank's on its node), all on this machine."""
         port = free_port()
         procs, outs = [], []
+        per_node = nproc // nodes
         for rank in range(nproc):
-            rank_env = dict(self.env(env), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            rank_env = dict(self.env(env), RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port))
             outs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))  # files, not pipes: never full
             fake = [str(ROOT / "tests" / "fake_cuda.py")] if self.fake else []
             procs.append(self.start([*fake, script, *args], rank_env, *outs[-1]))

@@ -359,6 +359,157 @@ SLIPS = {
         "",
         ["tests/test_offload.py::test_delayed_update_stopped_and_resumed_at_two_ranks"],
         "--delayed_update saves while its CPU update is in flight (the checkpoint a step behind, or torn)"),
+    "nvme_save_without_landing_the_update": (
+        "offload.py", "        self._finish_update()\n        # the states, read into host memory for a checkpoint",
+        "        # the states, read into host memory for a checkpoint",
+        ["tests/test_nvme_tier.py::test_a_delayed_update_saved_mid_update_resumes_as_the_straight_run"],
+        "the NVMe tier's checkpoint reads the state file while --delayed_update's CPU update is still writing it"),
+    "outside_read_not_kept": (
+        "outside.py", "            self.engine._wait(b)\n            self.kept.add(b)\n",
+        "            self.engine._wait(b)\n",
+        ["tests/test_any_model.py::test_a_parameter_read_before_its_unit_runs_is_kept"],
+        "a parameter read outside its unit gathers the unit but does not keep it (freed after the unit's forward)"),
+    "outside_view_of_a_parameter_not_kept": (
+        "outside.py", "if any(t is p or t._base is p for", "if any(t is p for",
+        ["tests/test_any_model.py::test_a_view_of_a_parameter_in_a_units_output_keeps_the_unit"],
+        "a view of a parameter in a unit's output does not keep the unit (the caller reads freed storage)"),
+    "sharded_freed_check_skips_lists": (
+        "outside.py", "for x in (a if isinstance(a, (list, tuple)) else [a])]", "for x in [a]]",
+        ["tests/test_any_model.py::test_a_freed_parameter_inside_an_ops_arguments_names_itself"],
+        "a freed parameter passed inside a list or tuple (torch.cat([w])) is read, not named"),
+    "sparse_refusal_of_the_roots_children_only": (
+        "options.py", "    for name, m in model.named_modules():\n        if getattr(m, \"sparse\"",
+        "    for name, m in model.named_children():\n        if getattr(m, \"sparse\"",
+        ["tests/test_any_model.py::test_a_nested_sparse_module_is_refused"],
+        "the sparse refusal looks only at the root's children (a nested nn.EmbeddingBag(sparse=True) is trained)"),
+    "sparse_refusal_of_a_frozen_module": (
+        "options.py", " is True and any(p.requires_grad for p in m.parameters(recurse=False)):", " is True:",
+        ["tests/test_any_model.py::test_a_nested_sparse_module_is_refused"],
+        "a frozen nn.EmbeddingBag(sparse=True), which makes no gradient, refused as if trained"),
+    "progress_tflops_not_per_rank": (
+        "instruments.py", "        rate = speed(self.flops, tok_s, self.world_size, self.device, args.dtype)\n",
+        "        rate = speed(self.flops, tok_s, 1, self.device, args.dtype)\n",
+        ["tests/test_flops.py::test_progress_lines_and_report_agree_at_two_ranks"],
+        "the progress line's TFLOP/s per rank not divided by the ranks (2x the report's at N = 2)"),
+    "report_tflops_not_per_rank": (
+        "instruments.py", "**speed(run.flops, tokens_per_s, run.world_size, run.device, args.dtype),",
+        "**speed(run.flops, tokens_per_s, 1, run.device, args.dtype),",
+        ["tests/test_flops.py::test_progress_lines_and_report_agree_at_two_ranks"],
+        "the report's TFLOP/s per rank not divided by the ranks (2x the progress lines' at N = 2)"),
+    "fake_cuda_in_place_slice_at_any_offset": (
+        "tests/fake_cuda.py", "                and part.storage_offset() * part.element_size() == start\n", "",
+        ["tests/test_fake_cuda.py::test_an_in_place_all_gather_from_another_ranks_slice_is_refused"],
+        "the fake device takes an in-place collective's input as the rank's slice at any offset of the output"),
+    "gpu_picked_by_the_global_rank": (
+        "devices.py", '    device = pick_device(args.device, int(os.environ["LOCAL_RANK"]))\n',
+        '    device = pick_device(args.device, int(os.environ["RANK"]))\n',
+        ["tests/test_fake_cuda.py::test_two_nodes_each_rank_on_its_nodes_gpu"],
+        "each rank's GPU picked by its global RANK, not LOCAL_RANK (right on one node, wrong on the second of two)"),
+    "outside_kept_across_forwards": (
+        "outside.py", "        model.register_forward_pre_hook(lambda m, inputs: self.kept.clear())\n", "",
+        ["tests/test_any_model.py::test_a_unit_kept_by_one_forward_is_freed_in_the_next"],
+        "a unit kept gathered by one forward's outside read stays kept in every later forward"),
+    "timeline_nvme_wait_named_as_adams": (
+        "instruments.py", '            return TimedFuture(future, self, f"wait nvme {name}")\n',
+        "            return TimedFuture(future, self)\n",
+        ["tests/test_timeline.py::test_nvme_reads_run_beside_adam"],
+        "the timeline draws the host's wait for an NVMe transfer as a wait for --delayed_update's thread"),
+    "timeline_copies_named_the_other_way": (
+        "instruments.py", 'down(dst, src) if dst.device.type == "cpu" else up(dst, src)',
+        'down(dst, src) if src.device.type == "cpu" else up(dst, src)',
+        ["tests/test_gpu_check.py::test_gpu_check_without_a_gpu"],
+        "the timeline names offload's copies to the host as copies to the device, and the other way round"),
+    "beta_of_one_accepted": (
+        "options.py", "        if not 0 <= getattr(args, name) < 1:\n",
+        "        if not 0 <= getattr(args, name) <= 1:\n",
+        ["tests/test_inputs.py::test_recipe_options_are_refused_in_one_line"],
+        "--beta2 1 accepted (Adam's bias correction divides by zero: every weight NaN)"),
+    "nan_rate_accepted": (
+        "options.py", "        if not getattr(args, name) >= 0:  # (NaN too)\n",
+        "        if getattr(args, name) < 0:  # (NaN too)\n",
+        ["tests/test_inputs.py::test_recipe_options_are_refused_in_one_line"], "--lr nan accepted"),
+    "gpu_past_the_nodes_last": (
+        "devices.py", "    if local_rank >= torch.cuda.device_count():\n",
+        "    if local_rank > torch.cuda.device_count():\n",
+        ["tests/test_gpu_path.py::test_each_local_rank_takes_its_gpu_and_one_too_many_is_refused"],
+        "a local rank one past the node's last GPU is given that GPU (CUDA's invalid device ordinal at start)"),
+    "outside_read_inside_its_own_unit_keeps_it": (
+        "outside.py", " and self.running.get(self.model) and not self.running.get(b.module):",
+        " and self.running.get(self.model):",
+        ["tests/test_any_model.py::test_a_unit_kept_by_one_forward_is_freed_in_the_next"],
+        "a unit's own forward reading its parameter (self.weight) keeps it gathered past its forward, every unit"),
+    "fake_cuda_gather_list_compared_across_ranks": (
+        "tests/fake_cuda.py", '    rooted = [n for n, _ in named if n.startswith(("gather_list", "scatter_list"))]\n',
+        "    rooted = []\n",
+        ["tests/test_gpu.py::test_gpu_ledgers_device_and_host[stage1-2]"],
+        "the fake device compares a gather's list of outputs across ranks (the root's alone): gather_master refused"),
+    "outside_read_outside_forward_gathers": (
+        "outside.py", "        if b is not None and self.running.get(self.model) and not",
+        "        if b is not None and not",
+        ["tests/test_any_model.py::test_a_freed_parameter_used_names_itself"],
+        "a read outside engine.forward gathers the unit (a collective one rank's read would hang the others on)"),
+    "outside_dataclass_outputs_unwalked": (
+        "outside.py", "    return [t for t in found + torch.utils._pytree.tree_leaves(fields) if",
+        "    return [t for t in found if",
+        ["tests/test_call_patterns.py::test_call_pattern_trains_as_the_reference[stage3-structured outputs]"],
+        "a forward's output walked without the tensors inside its dataclasses"),
+    "meter_blind_to_wrapped_tensors": (
+        "instruments.py", "    if is_traceable_wrapper_subclass(t):\n", "    if False:\n",
+        ["tests/test_shared.py::test_memory_meter_reads_a_wrapper_through_the_tensor_it_holds"],
+        "the memory meter counts nothing of a wrapper subclass (DTensor: FSDP2's parameters and moments)"),
+    "pinned_theory_without_the_spare_shard": (
+        "instruments.py", "(2 + delayed_update + offload_params)", "(2 + offload_params)",
+        ["tests/test_estimate.py::test_pinned_memory_as_pytorch_allocates_it"],
+        "the pinned-memory formula leaves out --delayed_update's second gradient shard"),
+    "n_embd_not_divisible_accepted": (
+        "options.py", "    if cfg.n_embd % cfg.n_head:\n", "    if False:\n",
+        ["tests/test_inputs.py::test_bad_input_one_line_error"],
+        "--n_embd that --n_head does not divide accepted (a traceback in the attention's view)"),
+    "batch_divisible_by_the_ranks_alone": (
+        "options.py", "    if args.batch_size % (world_size * args.grad_accum):\n",
+        "    if args.batch_size % world_size:\n",
+        ["tests/test_inputs.py::test_bad_input_one_line_error"],
+        "a batch that N divides but N x --grad_accum does not accepted"),
+    "nvme_no_buffer_accepted": (
+        "options.py", "    if nvme and args.nvme_buffer_count < 1:\n", "    if nvme and args.nvme_buffer_count < 0:\n",
+        ["tests/test_nvme_tier.py::test_bad_paths_get_one_line"], "--nvme_buffer_count 0 accepted"),
+    "adam_threads_every_core_per_rank": (
+        "devices.py", "    return max(1, cores // local - spare), cores, local\n",
+        "    return max(1, cores - spare), cores, local\n",
+        ["tests/test_cpu_adam.py::test_threads_are_the_ranks_share_of_the_cores"],
+        "every local rank's C++ AdamW takes every core of the node"),
+    "nvme_read_over_a_write_in_flight": (
+        "nvme.py", "        if write is not None:\n            write.result()\n", "",
+        ["tests/test_nvme.py::test_disk_states_of_unequal_buckets_through_one_buffer"],
+        "a bucket read into a buffer whose last write is still in flight"),
+    "nvme_read_kept_after_use": (
+        "nvme.py", "        self.reads.pop(k).result()\n", "        self.reads[k].result()\n",
+        ["tests/test_nvme.py::test_disk_states_of_unequal_buckets_through_one_buffer"],
+        "a bucket's finished read taken as this step's (its buffer since overwritten by another bucket)"),
+    "nvme_buffers_not_per_rank": (
+        "nvme.py", "    return buffer_count * round_up(12 * largest_bucket // world_size)\n",
+        "    return buffer_count * round_up(12 * largest_bucket)\n",
+        ["tests/test_nvme_tier.py::test_bit_identical_to_the_states_in_memory[fp32-N2-one_buffer]"],
+        "the NVMe tier's buffer formula sized for the whole bucket, not the rank's shard of it"),
+    "timeline_union_merges_gaps": (
+        "bench/timeline.py", "        if out and a <= out[-1][1]:\n", "        if out:\n",
+        ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces[stage0]"],
+        "bench/timeline.py's union of intervals bridges the gaps between them"),
+    "timeline_intersection_steps_both": (
+        "bench/timeline.py", "        if xs[i][1] < ys[j][1]:\n            i += 1\n        else:\n            j += 1\n",
+        "        i += 1\n        j += 1\n",
+        ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces[stage0]"],
+        "bench/timeline.py's intersection steps past both intervals at once (overlaps lost)"),
+    "timeline_begun_in_ignored": (
+        "bench/timeline.py", '        begun = begun_in is None or e["ts"] < ends.get(e["pid"], 0)\n',
+        "        begun = True\n",
+        ["tests/test_gpu.py::test_overlap_fractions_on_a_made_up_timeline"],
+        "under_phases counts a copy begun after backward's last kernel as a gradient copy of backward"),
+    "fake_cuda_object_syncs_not_set_apart": (
+        "tests/fake_cuda.py", '    seen["host syncs in object collectives"] += flags.objects',
+        '    seen["host syncs in object collectives"] += 0',
+        ["tests/test_end_of_run.py::test_one_host_sync_per_step[stage1.py-1-20]"],
+        "the fake device counts the host syncs of object collectives among the step's"),
     "timeline_rank_overlap_inverted": (
         "bench/timeline.py", "{fraction(o, t):.1%} of it under ", "{fraction(t - o, t):.1%} of it under ",
         ["tests/test_timeline.py::test_printed_overlaps_of_every_row_are_the_traces"],

@@ -2,7 +2,8 @@
 mask): it matches the single-process reference at N = 1, 2, 4 to the GPT tests' tolerances, in fp32, and says so in
 its exit code; each misuse of an engine stops with one line that names the fix; stage 3 takes units of the caller's
 choosing, and trains parameters that leave their unit as the reference does. The misuse checks and those models
-build engines in this process, as a world of one."""
+build engines in this process, as a world of one; outside.py's guards are also run through each path in processes
+of their own at N = 1 and 2, where a slip that crashes the process fails naming its case."""
 import inspect
 import json
 import sys
@@ -256,6 +257,37 @@ def test_a_freed_parameter_used_names_itself(world_of_one, stage_file):
         assert "\n" not in str(e.value)
 
 
+class ReadsOnRequest(ReadsAWeight):
+    """ReadsAWeight's read of l1.weight after l1 ran, in the forwards that ask for it (`read`)."""
+    read = True
+
+    def forward(self, x):
+        h = torch.tanh(self.l2(self.l1(x)))
+        return F.linear(h, self.l1.weight) if self.read else h
+
+
+def test_a_unit_kept_by_one_forward_is_freed_in_the_next(world_of_one, stage_file):
+    """A forward that reads l1.weight outside l1 keeps l1 gathered until its backward; the next forward, which does
+    not, frees l1 after l1's forward (each forward starts with no unit kept)."""
+    Engine = any_model.load_engine(stage_file)
+    if "units" not in inspect.signature(Engine).parameters:
+        pytest.skip("stages 0-2 keep every parameter whole")
+    model = ReadsOnRequest()
+    engine = Engine(model, parse_args(Engine, ["--dtype", "fp32"]), world_of_one, units=[model.l1, model.l2])
+    x = torch.ones(2, 4)
+    out = engine.forward(x)
+    assert model.l1.weight.untyped_storage().nbytes() > 0, "l1, read outside its unit, freed before its backward"
+    engine.backward(out.sum(), sync=True)
+    engine.step(1e-2)
+    model.read = False
+    out = engine.forward(x)
+    assert model.l1.weight.untyped_storage().nbytes() == 0, (
+        "l1 still gathered after a forward that read none of it outside l1 (kept by the forward before, or by l1's "
+        "own read of its weight)")
+    engine.backward(out.sum(), sync=True)
+    engine.step(1e-2)
+
+
 def test_sparse_gradients_are_refused(world_of_one, stage_file):
     """torch's test_sparse_gradients model: nn.EmbeddingBag(sparse=True), refused as the engine is built."""
     model = nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True), nn.Linear(4, 2))
@@ -337,3 +369,166 @@ def test_a_0d_parameter_in_gather_master_and_checkpoints(world_of_one, stage_fil
     where = save_checkpoint(str(tmp_path), engines[0], 0, {}, world_of_one)
     load_checkpoint(where, json.loads((Path(where) / "manifest.json").read_text()), engines[1], world_of_one)
     assert gather_master(engines[1])["gain"].item() == pytest.approx(0.9)
+
+
+def test_a_nested_sparse_module_is_refused(world_of_one, stage_file):
+    """An nn.EmbeddingBag(sparse=True) two levels down is refused by its path; frozen, it makes no gradient, and the
+    engine is built."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.EmbeddingBag(10, 4, sparse=True)), nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match=r"^0\.1 \(EmbeddingBag\) makes sparse gradients") as e:
+        build(stage_file, world_of_one, model)
+        pytest.fail("an engine was built on a nested nn.EmbeddingBag(sparse=True) (module 0.1)")
+    assert str(e.value) == Misuse.SPARSE.format("0.1", "EmbeddingBag"), str(e.value)
+    model[0][1].requires_grad_(False)
+    try:
+        build(stage_file, world_of_one, model)
+    except RuntimeError as e:
+        pytest.fail(f"a frozen nn.EmbeddingBag(sparse=True), which makes no gradient, refused: {e}")
+
+
+# ---- the outside guards (outside.py) through each path, at N = 1 and 2, in runs of their own: a slip there can
+# kill the process (a freed parameter's storage read as if it held values), which the test reports by name.
+# Every rank trains on the same batch, so the averaged gradient is the single-process reference's.
+
+OUTSIDE = """
+import sys
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {examples!r})
+from any_model import load_engine
+from checkpoint import gather_master
+from options import parse_args
+from train_gpt import PRESETS, GPTConfig, SingleDeviceEngine
+
+
+class ReadBeforeHeld(nn.Module):
+    # reads l1's weight before l1 runs, and uses it after l1 ran (l1 must stay gathered past its forward)
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        w = self.l1.weight
+        return F.linear(torch.tanh(self.l2(self.l1(x))), w)
+
+
+class ReadBeforeUsed(ReadBeforeHeld):
+    # uses l1's weight before l1 runs: its backward, the last, needs it after l1's own backward
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.l1.weight))
+        return self.l2(self.l1(h))
+
+
+class ViewOfBias(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight), self.bias.view(1, -1)
+
+
+class ReturnsAView(nn.Module):
+    # a unit that returns a view of its bias for the caller to add
+    def __init__(self):
+        super().__init__()
+        self.u = ViewOfBias(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y, bias = self.u(x)
+        return self.head(torch.tanh(y + bias))
+
+
+CASES = {{"read before its unit, held": (ReadBeforeHeld, lambda m: [m.l1, m.l2]),
+         "read before its unit, used": (ReadBeforeUsed, lambda m: [m.l1, m.l2]),
+         "a view in the output": (ReturnsAView, lambda m: [m.u])}}
+# a freed parameter inside an op's arguments: a list, a tuple, a list in the keyword arguments' dict
+USES = {{"a list": lambda w: torch.cat([w]), "a tuple": lambda w: torch.stack((w,)),
+        "a dict": lambda w: torch.cat(tensors=[w])}}
+
+Engine = load_engine(sys.argv[1])
+dist.init_process_group("gloo")
+args = parse_args(Engine, PRESETS, GPTConfig, ["--steps", "3", "--warmup", "1", "--lr", "1e-2", "--dtype", "fp32"])
+device = torch.device("cpu")
+for case in sys.argv[2:]:
+    print(f"case {{case}}", flush=True)
+    if case == "freed":
+        # after a step, l1's weight is freed: used inside an op's arguments, it names itself
+        model = ReadBeforeHeld()
+        engine = Engine(model, args, device, units=[model.l1, model.l2])
+        engine.backward(engine.forward(torch.ones(2, 4)).sum(), sync=True)
+        engine.step(1e-2)
+        for inside, use in USES.items():
+            print(f"case freed: l1.weight inside {{inside}} of an op's arguments", flush=True)
+            try:
+                use(model.l1.weight)
+            except RuntimeError as e:
+                if not str(e).startswith("l1.weight of unit l1 is freed"):
+                    raise
+                print(f"refused in {{inside}}", flush=True)
+            else:
+                sys.exit(f"error: a freed l1.weight inside {{inside}} of an op's arguments was read")
+        continue
+    make, units = CASES[case]
+    torch.manual_seed(0)
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    engine = Engine(model, args, device, units=units(model))
+    losses = []
+    for e in (engine, SingleDeviceEngine(reference, args, device)):
+        losses.append([])
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            loss = e.forward(x).square().mean()
+            e.backward(loss, sync=True)
+            e.step(1e-2)
+            losses[-1].append(loss.item())
+    if any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(*losses)):
+        sys.exit(f"error: {{case}}: losses {{losses[0]}}, the reference's {{losses[1]}}")
+    master = gather_master(engine)  # (rank 0's)
+    for name, p in reference.named_parameters() if master is not None else []:
+        if not torch.allclose(master[name].view_as(p), p.detach(), rtol=0, atol=1e-5 * p.abs().max().item()):
+            sys.exit(f"error: {{case}}: {{name}} is not the reference's after 3 steps")
+    print(f"trained as the reference: {{case}}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def run_outside(runner, tmp_path, stage_file, nproc, cases):
+    """The OUTSIDE script's `cases` at N = nproc, each trained as the reference (or, case "freed", refused in each of
+    USES): a failure names the case, and how the run ended."""
+    if "units" not in inspect.signature(any_model.load_engine(stage_file)).parameters:
+        pytest.skip("stages 0-2 keep every parameter whole")
+    script = tmp_path / "outside.py"
+    script.write_text(OUTSIDE.format(root=str(ROOT), examples=str(ROOT / "examples")))
+    p = runner.spawn(str(script), nproc, [stage_file, *cases], timeout=300)
+    started = [ln[len("case "):] for ln in p.stdout.splitlines() if ln.startswith("case ")]
+    errors = [ln for ln in p.stderr.splitlines() if "Error: " in ln or ln.startswith("error: ")]
+    died = f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
+    died += f" ({errors[-1].removeprefix('[rank0]: ')})" if errors else ""
+    assert p.returncode == 0, (f"N={nproc}, {started[-1] if started else 'before the first case'}: {died}\n"
+                               + "\n".join(last_lines(p.stdout + p.stderr, 12)))
+    for case in cases:
+        done = [f"refused in {inside}" for inside in ("a list", "a tuple", "a dict")] if case == "freed" else \
+            [f"trained as the reference: {case}"]
+        assert all(p.stdout.count(f"{line}\n") == nproc for line in done), p.stdout
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_parameter_read_before_its_unit_runs_is_kept(runner, tmp_path, stage_file, nproc):
+    """The root reads l1.weight before l1 runs: the read gathers l1 and keeps it past l1's forward, whether the
+    weight is used then or held until after l1 ran (freed after l1's forward, the use fails in forward or backward)."""
+    run_outside(runner, tmp_path, stage_file, nproc, ["read before its unit, held", "read before its unit, used"])
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_view_of_a_parameter_in_a_units_output_keeps_the_unit(runner, tmp_path, stage_file, nproc):
+    """A unit returns self.bias.view(1, -1): the view's storage is the unit's, which must stay gathered until its
+    backward (freed, the caller adds a view of zero bytes)."""
+    run_outside(runner, tmp_path, stage_file, nproc, ["a view in the output"])
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_freed_parameter_inside_an_ops_arguments_names_itself(runner, tmp_path, stage_file, nproc):
+    """After a step, l1.weight inside a list (torch.cat([w])), a tuple (torch.stack((w,))) or a list in the keyword
+    arguments (torch.cat(tensors=[w])): one line naming it, not a read of its zero-byte storage."""
+    run_outside(runner, tmp_path, stage_file, nproc, ["freed"])

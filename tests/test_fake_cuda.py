@@ -5,7 +5,9 @@ calls, pinned host buffers, streams, events), and nothing is refused: every op's
 collective's on the GPU, the C++ AdamW's on the host, and no host synchronisation inside forward or backward
 (offload's non_blocking copies into pinned memory are not one). Then the audit itself: copies of stage files with one
 line changed to a mistake CUDA would refuse (a reduce-scatter into host memory, a collective on a host tensor, an op
-mixing devices, a float() or a blocking copy to the host in backward) must fail it, naming the line and the devices.
+mixing devices, a float() or a blocking copy to the host in backward) must fail it, naming the line and the devices;
+and rank 1's in-place all-gather from rank 0's slice of the output, where each rank's own slice passes. Two nodes of
+one GPU each: every rank on its node's cuda:0.
 No assertion depends on the CPU: no timing, no numbers."""
 import json
 import re
@@ -21,11 +23,12 @@ CONFIGS = {"stage0": ["stage0_ddp.py"], "stage1": ["stage1.py"], "stage2": ["sta
            "delayed_update": ["offload.py", "--delayed_update"]}
 
 
-def audit(tmp_path, script, *args, grad_accum=1, dtype="fp32", nproc=2, env=None):
-    """Train `script` on the fake CUDA device on nproc ranks; (the finished job, [each rank's report or None])."""
+def audit(tmp_path, script, *args, grad_accum=1, dtype="fp32", nproc=2, env=None, nodes=1):
+    """Train `script` on the fake CUDA device on nproc ranks (over `nodes` nodes); (the finished job, [each rank's
+    report or None])."""
     out, batch = tmp_path / "findings", ["--batch_size", str(2 * nproc * grad_accum), "--grad_accum", str(grad_accum)]
     job = Runner(tmp_path).spawn(FAKE_CUDA, nproc, [str(script), *RUN, *batch, "--dtype", dtype, *args],
-                                 env={"FAKE_CUDA_FINDINGS": str(out), **(env or {})}, timeout=300)
+                                 env={"FAKE_CUDA_FINDINGS": str(out), **(env or {})}, timeout=300, nodes=nodes)
     reports = [json.loads(f.read_text()) if f.exists() else None for f in (out / f"rank{r}.json" for r in range(nproc))]
     return job, reports
 
@@ -156,3 +159,54 @@ def test_no_sample_where_the_whole_model_would_not_fit(tmp_path):
     job, _ = audit(tmp_path / "tight", ROOT / "stage3.py", "--sample_chars", "20", nproc=1,
                    env={"FAKE_CUDA_FREE_BYTES": str(budget)})
     assert job.returncode == 0 and "no sample: the whole fp32 model" in job.stdout, output(job)
+
+
+IN_PLACE_GATHER = """
+import os, sys
+import torch, torch.distributed as dist
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl")
+# the input: this rank's slice of the output (NCCL's in-place rule), or rank 0's on every rank
+at = rank if sys.argv[1] == "own" else 0
+out = torch.zeros(2 * 4, device="cuda")
+out[4 * at:4 * at + 4] = rank + 1
+dist.all_gather_into_tensor(out, out[4 * at:4 * at + 4])
+print("gathered", out.tolist(), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("slice_of", ["own", "rank 0's"])
+def test_an_in_place_all_gather_from_another_ranks_slice_is_refused(tmp_path, slice_of):
+    """An in-place all-gather's input is the rank's own slice of the output (at rank x its size): rank 1 gathering
+    from rank 0's slice (offset 0 on both ranks) reads what rank 0 sends there; refused, naming the buffers by rank.
+    Each rank gathering from its own slice: nothing refused."""
+    script = tmp_path / "gather.py"
+    script.write_text(IN_PLACE_GATHER)
+    out = tmp_path / "findings"
+    job = Runner(tmp_path).spawn(FAKE_CUDA, 2, [str(script), "own" if slice_of == "own" else "rank0"],
+                                 env={"FAKE_CUDA_FINDINGS": str(out)}, timeout=120)
+    reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    found = sorted({m for r in reports for m in r["findings"]})
+    if slice_of == "own":
+        assert job.returncode == 0 and not found, f"each rank's own slice refused:\n{output(job)}"
+        assert job.stdout.count("gathered [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]") == 2, output(job)
+        return
+    assert job.returncode != 0 and found, f"rank 1's all-gather from rank 0's slice passed:\n{output(job)}"
+    # rank 1's input named by where it lies (offset 0), against rank 0's own slice
+    own = "input_tensor float32[4] in place: the rank's slice of output_tensor"
+    assert any("differs across ranks" in m and own in m and "input_tensor float32[4] made at gather.py:9 +0" in m
+               for m in found), "\n".join(found)
+
+
+def test_two_nodes_each_rank_on_its_nodes_gpu(tmp_path):
+    """Two nodes of one GPU each: rank 1 is local rank 0 of the second node, and takes that node's cuda:0 (by its
+    rank it would ask for a cuda:1 the node does not have); nothing refused, every rank's memory on cuda:0."""
+    job, reports = audit(tmp_path, ROOT / "stage1.py", nproc=2, nodes=2)
+    assert job.returncode == 0 and all(reports), f"a two-node launch failed:\n{output(job)}"
+    refused = [m for r in reports for m in r["findings"]]
+    assert not refused, "CUDA would refuse:\n" + "\n".join(refused)
+    for r in reports:
+        assert list(r["memory"]) == ["0"] and r["memory"]["0"]["peak"] > 0, (r["rank"], r["memory"])

@@ -1,8 +1,10 @@
 """The model FLOPs a run reports (instruments.flops_per_token, speed): nanoGPT's estimate_mfu count held against a
 count by hand for the tiny GPT, TFLOP/s per rank from the global tokens per second, MFU only where the device's dense
 peak is known (never on a CPU), and one real run that carries them in its progress lines, its report and its JSON
-summary (--out), and bench/peers.py's table with its TFLOP/s column. One single-process run of the tiny preset."""
+summary (--out), and bench/peers.py's table with its TFLOP/s column. One single-process run of the tiny preset, and
+one of stage 0 at N = 2, whose progress lines and report divide by the ranks alike."""
 import json
+import re
 import subprocess
 import sys
 import types
@@ -76,3 +78,24 @@ def test_peers_table_has_tflops():
                ("stage0", "peer"): [run(100.0, 1.5)]}
     row = [line for line in peers.report(["stage0"], results).splitlines() if line.startswith("| stage0")][0]
     assert row.split(" | ")[5] == "0.25 / 1.5", row
+
+
+def test_progress_lines_and_report_agree_at_two_ranks(runner):
+    """At N = 2 each progress line's TFLOP/s per rank is its own tokens/s (global) x FLOPs per token over the 2
+    ranks, as the report's is: the same formula, not one per rank and one for the whole job."""
+    run = runner.run(str(ROOT / "stage0_ddp.py"), 2, "--preset", "tiny", "--steps", "3", "--sample_chars", "0",
+                     "--eval_batches", "1", "--dtype", "fp32")
+    s = run.summary
+    assert s["world_size"] == 2
+    assert s["tflops_per_rank"] == pytest.approx(s["flops_per_token"] * s["tokens_per_s"] / 2 / 1e12), (
+        f"the summary's TFLOP/s per rank at N=2, {s['tflops_per_rank']:.3g}, is not FLOPs x tokens/s over 2 ranks")
+    # three progress lines, then the report's
+    rates = re.findall(r"^stage0: (?:step \d+/3|val loss).* ([\d,]+) tokens/s, ([\d.e+-]+) TFLOP/s per rank$",
+                       run.stdout, re.M)
+    assert len(rates) == 4, run.stdout
+    for tokens, tflops in rates:
+        expected = s["flops_per_token"] * float(tokens.replace(",", "")) / 2 / 1e12
+        # (3 significant figures printed: within 1%; a count per rank, or for the whole job, is 2x off)
+        assert float(tflops) == pytest.approx(expected, rel=0.01), (
+            f"at N=2 a line says {tflops} TFLOP/s per rank at {tokens} tokens/s; the report's formula gives "
+            f"{expected:.3g}:\n{run.stdout}")

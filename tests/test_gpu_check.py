@@ -1,8 +1,8 @@
 """tests/gpu_check.sh, the command for the minutes a GPU is lent, end to end on this machine without one: the steps
 that need a real GPU say "skipped" with the reason, and the others pass, on the fake CUDA device where they touch
 CUDA. Its timeline steps are bench/timeline.py's check on the fake device: one traced step of stage 3 (gathers in
-flight under compute) and of offload (its copies and C++ AdamW) at N = 2 on a 2-layer GPT, every process on the fake
-device (tests/fake_cuda_site), no process reporting a finding."""
+flight under compute) and of offload (its copies, named by their direction, and C++ AdamW) at N = 2 on a 2-layer
+GPT, every process on the fake device (tests/fake_cuda_site), no process reporting a finding."""
 import json
 import os
 import subprocess
@@ -38,3 +38,12 @@ def test_gpu_check_without_a_gpu(tmp_path):
             assert {"forward", "backward", "all_gather"} <= seen, f"{name}, rank {rank}: {sorted(seen)}"
         assert (tmp_path / name / "timeline.png").exists()
         assert "overlapped by compute" in (tmp_path / f"{name}.log").read_text()
+    # offload's copies named by where they go: the gradient shards down in backward, then the updated parameters up
+    trace = json.loads((tmp_path / "timeline_offload" / "trace.json").read_text())
+    for rank in (0, 1):
+        copies = sorted((e["ts"], e["name"]) for e in trace["traceEvents"]
+                        if e.get("ph") == "X" and e["pid"] == rank and e["cat"] == "copies")
+        names = [n for _, n in copies]
+        assert set(names) == {"copy to host", "copy to device"} and names == sorted(names, reverse=True), (
+            f"offload, rank {rank}: its copies in order {names}: the gradients go to the host before the parameters "
+            "come up")

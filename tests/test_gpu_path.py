@@ -1,15 +1,15 @@
 """The decisions the CUDA path takes, checked on a CPU by giving them a GPU's answers: the dtype --dtype auto picks
 (bf16 where the GPU computes it, else fp16 with loss scaling), the C++ AdamW's threads beside a delayed update, what
 bench/largest.py refuses to run on a GPU, what bench/compare.py counts as "other" memory when the peak is the
-device's alone, and the measured peak without cuBLAS's workspaces. (Where tensors live on a GPU is
-tests/test_fake_cuda.py's part; what a real GPU does, tests/test_gpu.py's.)"""
+device's alone, the measured peak without cuBLAS's workspaces, and which GPU each local rank takes. (Where tensors
+live on a GPU is tests/test_fake_cuda.py's part; what a real GPU does, tests/test_gpu.py's.)"""
 import sys
 
 import pytest
 import torch
 
 from conftest import ROOT
-from devices import adam_threads, pick_dtype
+from devices import adam_threads, pick_device, pick_dtype
 from offload import load_cpu_adam
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -138,3 +138,16 @@ def test_norm_is_a_few_launches_per_bucket_on_cuda(monkeypatch):
         on_cuda = sum_of_squares(t)
     assert Count.ops <= 5 and cpu_ops >= 12, (Count.ops, cpu_ops)
     assert abs(on_cpu.item() - exact) <= 1e-6 * exact and abs(on_cuda.item() - exact) <= 1e-3 * exact
+
+
+def test_each_local_rank_takes_its_gpu_and_one_too_many_is_refused(monkeypatch):
+    """On a node of 2 GPUs local rank r takes cuda:r; local rank 2 has none, and is refused in one line that names
+    the node's count; --device cpu takes the host whatever the rank."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [pick_device("auto", r) for r in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    with pytest.raises(SystemExit) as e:
+        pick_device("cuda", 2)
+        pytest.fail("local rank 2 given a GPU on a node of 2")
+    assert str(e.value) == ("error: local rank 2 but this node has 2 GPUs; use --nproc_per_node 2 or fewer"), e.value
+    assert pick_device("cpu", 5) == torch.device("cpu")

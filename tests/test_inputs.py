@@ -94,3 +94,26 @@ def test_checkpoint_options_are_refused_in_one_line(args, expected):
     with pytest.raises(SystemExit) as e:
         check_args(parsed, world_size=1)
     assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--steps", "0"], "error: --steps 0: must be at least 1"),
+    (["--eval_batches", "0"], "error: --eval_batches 0: must be at least 1"),
+    (["--beta1", "1"], "error: --beta1 1.0: must be in [0, 1) (1 would divide by 1 - 1 = 0"),
+    (["--beta2", "1.0"], "error: --beta2 1.0: must be in [0, 1)"),
+    (["--beta2", "-0.1"], "error: --beta2 -0.1: must be in [0, 1)"),
+    (["--lr", "nan"], "error: --lr nan: must be 0 or more"),
+    (["--weight_decay", "-0.1"], "error: --weight_decay -0.1: must be 0 or more"),
+    (["--grad_clip", "-1"], "error: --grad_clip -1.0: must be 0 or more (0: no clipping)"),
+], ids=["steps_0", "eval_batches_0", "beta1_1", "beta2_1", "beta2_negative", "lr_nan", "weight_decay_negative",
+        "grad_clip_negative"])
+def test_recipe_options_are_refused_in_one_line(args, expected):
+    """The recipe's refusals (options.check_args, in this process): a count under 1, Adam's beta of 1 (its bias
+    correction divides by 1 - beta^t = 0: every weight NaN), a negative or NaN rate, decay or clip."""
+    from options import check_args, parse_args
+    from train_gpt import PRESETS, GPTConfig
+    parsed = parse_args(None, PRESETS, GPTConfig, [*TINY, *args])
+    with pytest.raises(SystemExit) as e:
+        check_args(parsed, world_size=1)
+        pytest.fail(f"{' '.join(args)} accepted")
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)

@@ -218,3 +218,16 @@ def test_too_little_free_space_is_refused_at_the_start(runner, tmp_path):
     assert len(errors) == 1 and re.search(rf"nvme path {tmp_path} has 65,536 bytes .* free, and a state file there "
                                           rf"needs [\d,]+ bytes", errors[0]), p.stderr[-2000:]
     assert "parameters (Ψ)" not in p.stdout and os.listdir(tmp_path) == [], (p.stdout[-2000:], os.listdir(tmp_path))
+
+
+def test_a_delayed_update_saved_mid_update_resumes_as_the_straight_run(runner, tmp_path):
+    """--delayed_update on NVMe, saved after step 3 while step 3's CPU update is in flight: the save lands the update
+    before it reads the state file, so resumed from that checkpoint the run is bit for bit the run that saved it (a
+    save that read the file under the update would keep step 2's states, or a torn mix)."""
+    delayed = [*MODEL, *with_options(["--delayed_update"])]
+    straight = runner.run(OFFLOAD, 1, *delayed, *nvme(tmp_path), "--save_every", "3",
+                          "--ckpt_dir", str(tmp_path / "straight"))
+    resumed = runner.run(OFFLOAD, 1, *delayed, *nvme(tmp_path), "--resume", str(tmp_path / "straight" / "step_000003"),
+                         "--ckpt_dir", str(tmp_path / "resumed"))
+    assert resumed.summary["resumed_from"] == 3
+    assert_same_run(straight, resumed, "offload --delayed_update on NVMe, saved mid-update after step 3 and resumed")

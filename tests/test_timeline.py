@@ -249,7 +249,8 @@ def reads_under_adam(trace, rank):
 def test_nvme_reads_run_beside_adam(timeline, tmp_path_factory):
     """offload --offload_optimizer nvme: the state file's reads and writes are rows of their own, each with its bytes,
     beside cpu adam. With 3 buffers the next bucket's states are read while AdamW updates this one, so some read is in
-    flight during an AdamW call; with 1 buffer every read is waited for before the update that needs it, so none is.
+    flight during an AdamW call; with 1 buffer every read is waited for before the update that needs it, so none is,
+and the host's wait is drawn as one for the disk.
     One rank (--nproc 1 after the fixture's 2: the last wins), the tier being each rank's own."""
     path = tmp_path_factory.mktemp("nvme")  # pytest's own directory: a disk, or else tmpfs, where the file is buffered
     for count, ahead in (("3", True), ("1", False)):
@@ -265,6 +266,9 @@ def test_nvme_reads_run_beside_adam(timeline, tmp_path_factory):
             assert under > 0, f"{count} buffers: none of {reads} reads ran beside AdamW"
         else:
             assert under == 0, f"{count} buffer: {under} of {reads} reads ran beside AdamW"
+            # the host waits for each read: drawn as a wait for the disk (there is no update's thread to wait for)
+            waits = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == "host waits"}
+            assert "wait nvme read" in waits and "wait cpu adam" not in waits, f"1 buffer: host waits {sorted(waits)}"
     assert os.listdir(path) == [], os.listdir(path)
 
 
