@@ -29,11 +29,13 @@ def pinned_theory(stage, n_params, world_size, param_bytes=2, offload_params=Fal
     """Pinned host memory per rank with CUDA, as allocated: ZeRO-Offload pins each buffer a device-host copy touches,
     one allocation of param_bytes·Ψ/N each: the gradient shard (two with --delayed_update), the staging buffer of
     updated parameters, and with --offload_params the parameter shard; with --delayed_update also the global norm's
-    float64, which the update's thread reads. (fp32 master and moments stay pageable.)"""
+    float64, which the update's thread reads. ZeRO-3's unit-order check (outside.Order), in stage 3 and offload at
+    N > 1, reads its two float64 on the host. (fp32 master and moments stay pageable.)"""
+    order = pinned_bytes(16) if stage in ("stage3", "offload") and world_size > 1 else 0
     if stage != "offload":
-        return 0
+        return order
     shards = (2 + delayed_update + offload_params) * pinned_bytes(param_bytes * n_params // world_size)
-    return shards + delayed_update * pinned_bytes(8)
+    return shards + delayed_update * pinned_bytes(8) + order
 
 def without(label, a, b, holes):
     """What is left of [a, b) outside `holes` (sorted (start, end) pairs), as (label, start, end) pieces."""

@@ -303,8 +303,6 @@ class ZeROOffloadEngine:
         # no unit stays gathered across the step (a forward's prefetch may leave one): the next gathers anew
         for b in self.buckets:
             self._free(b)
-        # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
-        self.outside.order.agree()
         # [Offload] the global norm on the device, from the squares the buckets' shards left on their way down
         self.copies.joined()
         norm = self.squares.sum()
@@ -319,8 +317,11 @@ class ZeROOffloadEngine:
     def _update(self, lr, norm, scaler):
         """Wait for the gradient shard on the host; then AdamW bucket by bucket: a bucket's new parameters go up while
         the next bucket is updated."""
+        # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
+        self.outside.order.agree()
         self.copies.landed()
         coef = clip_coef(norm, self.args.grad_clip, scaler)
+        self.outside.order.check()
         # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
         if coef is None:
             return
@@ -465,6 +466,8 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
         # Step t-1's update, computed while this step ran, is in the other parameter shard; step t's runs now
         self._finish_update()
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
+        # the ranks' unit orders compared (read by the update's thread, which refuses to update where they differ)
+        self.outside.order.agree()
         # the norm goes down behind the gradient (on the copy stream, after this step's gathers, which read the
         # shard the update overwrites): the update's thread waits for the event after it
         self.copies.copy(self.host_norm, norm.view(1))
@@ -477,6 +480,7 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
             landed.synchronize()
         if coef is None:
             coef = clip_coef(self.host_norm[0], self.args.grad_clip, scaler)
+        self.outside.order.check(explain=False)
         self.optimizer.t += 1
         with torch.cuda.stream(self.copies.stream):  # this thread's copies queue on the copy stream alone
             for k, b in enumerate(self.buckets):

@@ -143,29 +143,48 @@ class Outside:
 
 class Order:
     """The units of one rank's collectives (all-gathers, reduce-scatters) since the last step, in the order it issued
-    them (issued(b)); agree(), at step() before the update, compares them across the ranks: one all-reduce (MAX) of a
-    hash and its negative, two float64 scalars. A difference stops every rank with ORDER, naming each rank's unit at
-    the first collective where they differ."""
+    them (issued(b)); agree(), at step() before the norm, compares them across the ranks: one all-reduce (MAX) of a
+    hash and its negative, two float64 scalars, copied to the host behind it (pinned with CUDA: no host sync). check(),
+    once the host has waited for the norm (clip_coef), reads them: a difference stops every rank with ORDER before the
+    update, naming each rank's unit at the first collective where they differ."""
     def __init__(self, engine, model, names):
         self.model = model
         self.index = {b: k for k, b in enumerate(engine.buckets)}
         self.names = [names[b.module] for b in engine.buckets]
         self.device = engine.buckets[0].param.device
         self.units = []
+        self.checked = []
+        # (a world of one has nothing to compare, and holds no buffer)
+        self.seen = None
+        if dist.get_world_size() > 1:
+            self.seen = torch.zeros(2, dtype=torch.float64, pin_memory=self.device.type == "cuda")
 
     def issued(self, b):
         self.units.append(self.index[b])
 
     def agree(self):
-        units = self.units
+        self.checked = self.units
         self.units = []
-        if dist.get_world_size() == 1:
+        if self.seen is None:
             return
-        h = float(hash(tuple(units)) % 2**52)
-        extremes = torch.tensor([h, -h], dtype=torch.float64, device=self.device)
+        h = float(hash(tuple(self.checked)) % 2**52)
+        extremes = torch.full((2,), h, dtype=torch.float64, device=self.device)
+        extremes[1:].neg_()
         comm.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        if extremes[0].item() == -extremes[1].item():
+        self.seen.copy_(extremes, non_blocking=True)
+
+    def check(self, explain=True):
+        """ORDER if the ranks' collectives differed; explain: each rank's unit named (a collective, so the training
+        thread's only), else this rank's own order (--delayed_update's thread)."""
+        if self.seen is None:
             return
+        high, low = self.seen.tolist()
+        if high == -low:
+            return
+        units = self.checked
+        if not explain:
+            own = ", ".join(self.names[u] for u in units[:8])
+            raise RuntimeError(ORDER.format(f"this rank's first: {own}", self.caller([self.names[u] for u in units])))
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, units)
         k = next(k for k in range(max(map(len, every)) + 1) if len({tuple(u[k:k + 1]) for u in every}) > 1)

@@ -235,13 +235,14 @@ class ZeRO3Engine:
         for b in self.buckets:
             self._free(b)
         # [/ZeRO-3]
-        # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
+        # every rank's collectives paired the same units (outside.Order), or the run stops below, before the update
         self.outside.order.agree()
         # the global gradient norm, from every rank's shard of the gradient; AdamW on this rank's shard only
         norm = sum(sum_of_squares(self.grad_shard[self._shard_range(b)]) for b in self.buckets)
         comm.all_reduce(norm, op=dist.ReduceOp.SUM)
         norm = norm.sqrt()
         coef = clip_coef(norm, self.args.grad_clip, scaler)
+        self.outside.order.check()
         # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
         if coef is None:
             self._drop_gradient()
