@@ -315,11 +315,12 @@ class ZeROOffloadEngine:
         return norm
 
     def _update(self, lr, norm, scaler):
-        """Wait for the gradient shard on the host; then AdamW bucket by bucket: a bucket's new parameters go up while
-        the next bucket is updated."""
+        """Wait for the norm (and so the gradient shard) on the host; then AdamW bucket by bucket: a bucket's new
+        parameters go up while the next bucket is updated."""
         # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
         self.outside.order.agree()
-        self.copies.landed()
+        # the host reads the norm: it waits for the compute stream, which waited for the copies (joined), so the
+        # gradient shard is on the host too
         coef = clip_coef(norm, self.args.grad_clip, scaler)
         self.outside.order.check()
         # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.

@@ -63,12 +63,12 @@ def test_the_sample_at_the_end_costs_little_host_memory(tmp_path, script, nproc)
                               f"{a / 2**20:.0f} MiB without: the end of the run multiplies the host's memory")
 
 
-@pytest.mark.parametrize("script, most, steps", [("stage1.py", 1, 20), ("stage3.py", 1, 20), ("offload.py", 2, 6),
+@pytest.mark.parametrize("script, most, steps", [("stage1.py", 1, 20), ("stage3.py", 1, 20), ("offload.py", 1, 6),
                                                  ("offload.py --delayed_update", 0, 6)])
 def test_one_host_sync_per_step(tmp_path, script, most, steps):
     """On the fake CUDA device (N = 2, fp32), the host synchronisations outside forward, backward and the batches:
-    inside each optimizer step at most one for stages 0-3 (clip_coef's: skip the step or not) and two for offload
-    (its wait for the gradient shard on the host, and its one read of the global norm); two more at each step that
+    inside each optimizer step at most one (clip_coef's: skip the step or not; offload's read of the norm also finds
+    its gradient shard on the host, the compute stream having waited for the copies); two more at each step that
     logs (every steps // 10th: the losses and the norms since the last, read at once), and a few more at the run's
     start, its evaluation, its measured step and its end, besides those of its object collectives (all_gather_object
     and the like, which NCCL runs through the device: their bytes copied up and down); never the loss's and the

@@ -80,9 +80,10 @@ def changed(tmp_path, name, pattern, *new, after=None):
     return script, at[0] + 1
 
 
-def refused(tmp_path, script, *args, grad_accum=1):
-    """The findings of a run that must fail the audit (one rank: it calls every collective too, and starts faster)."""
-    job, reports = audit(tmp_path, script, *args, grad_accum=grad_accum, nproc=1)
+def refused(tmp_path, script, *args, grad_accum=1, nproc=1):
+    """The findings of a run that must fail the audit (one rank, which starts faster; two where the mistake is in a
+    collective: a world of one calls none, comm.py)."""
+    job, reports = audit(tmp_path, script, *args, grad_accum=grad_accum, nproc=nproc)
     found = sorted({m for r in reports if r for m in r["findings"]})
     assert job.returncode != 0 and found, f"{script.name}: the audit refused nothing:\n{output(job)}"
     return found
@@ -93,7 +94,7 @@ def test_reduce_scatter_into_host_memory(tmp_path):
     pinned host tensor: host memory, not even pinned). gloo runs it; NCCL cannot."""
     script, line = changed(tmp_path, "offload.py", re.escape("b.reduced = torch.empty_like(self._my_shard_of(b.grad))"),
                            "b.reduced = torch.empty_like(self.grad_shard[self._shard_range(b)])")
-    found = refused(tmp_path, script)
+    found = refused(tmp_path, script, nproc=2)
     assert any(re.search(rf"reduce_scatter\w*: output cpu\[\d+\] \(made at offload\.py:{line}\), input cuda\[\d+\]", m)
                for m in found), "\n".join(found)
 
@@ -102,7 +103,7 @@ def test_collective_on_a_host_tensor(tmp_path):
     """The global norm all-reduced from a host copy: a 0-dim host tensor is fine in a kernel, never in NCCL."""
     script, line = changed(tmp_path, "stage1.py", r"comm\.all_reduce\(norm, (op=.*?)\)",
                            r"comm.all_reduce(norm := norm.cpu(), \1)")
-    found = refused(tmp_path, script)
+    found = refused(tmp_path, script, nproc=2)
     assert any(re.match(rf"stage1\.py:{line} .*c10d all_reduce: tensor cpu\[1\]", m) for m in found), "\n".join(found)
 
 
