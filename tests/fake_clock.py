@@ -23,7 +23,7 @@ host far ahead of a busy GPU does, and the schedule is the same on every machine
 keeps its modelled time in both. Not modelled: NVMe transfers (a
 thread's own time), contention between streams for the same bandwidth, the GPU's clocks.
 """
-import json, os
+import json, os, statistics, subprocess, sys, tempfile
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -79,23 +79,30 @@ def matmul_rate(tensors):
     return 1e12 * RATES["matmul_bfloat16_tflops" if half else "matmul_float32_tflops"]
 
 
-def work(func, args, kwargs, out, device_tensors, src=None, dst=None):
+def work(func, args, kwargs, out, device_tensors, *, ends=None):
     """What a device op is on a GPU: (seconds, name, kind: "kernel" or "gpu_memcpy"), or None if it launches nothing.
-    src, dst: the tags of a copy's ends ("cuda:i", "pinned", "cpu") when it crosses between device and host."""
+    ends: (source, destination) of a copy between device and host, as tagged ("cuda:i", "pinned", "cpu")."""
     if func.is_view or func in NO_KERNEL:
         return None
     moved = sum(nbytes(t) for t in device_tensors)
-    if src is not None:
-        down = src.startswith("cuda")
-        host_end = dst if down else src
-        kind = "pinned" if host_end == "pinned" else "pageable"
-        rate = RATES[f"{'d2h' if down else 'h2d'}_{kind}_gb_s"] * 1e9
-        name = f"Memcpy {'DtoH (Device -> ' if down else 'HtoD ('}{kind.capitalize()}{')' if down else ' -> Device)'}"
-        size = max(nbytes(t) for t in device_tensors) if device_tensors else 0
-        return size / rate, name, "gpu_memcpy"
+    if ends is not None:
+        return copy(ends, max(nbytes(t) for t in device_tensors))
     seconds = max(flops(func, args, kwargs, out) / matmul_rate(device_tensors),
                   moved / (RATES["device_copy_gb_s"] * 1e9), SMALL)
     return seconds, str(func._overloadpacket).replace("aten.", "aten::"), "kernel"
+
+
+def copy(ends, size):
+    """A copy of `size` bytes between device and host: (seconds, name as CUPTI names it, "gpu_memcpy")."""
+    src, dst = ends
+    down = src.startswith("cuda")
+    memory = "pinned" if (dst if down else src) == "pinned" else "pageable"
+    rate = RATES[f"{'d2h' if down else 'h2d'}_{memory}_gb_s"] * 1e9
+    if down:
+        name = f"Memcpy DtoH (Device -> {memory.capitalize()})"
+    else:
+        name = f"Memcpy HtoD ({memory.capitalize()} -> Device)"
+    return size / rate, name, "gpu_memcpy"
 
 
 def collective(name, tensors, world):
@@ -119,3 +126,30 @@ def adam(params):
 def host_read(nbytes_read):
     """Seconds for the host to read these bytes (the C++ sum of squares)."""
     return nbytes_read / (RATES["host_touch_gb_s"] * 1e9)
+
+
+def modelled_step(script, *args, nproc=1, host="ideal", facts=None, timeout=3600):
+    """The modelled seconds of one steady training step of `script` (a stage file) run with `args` on the fake
+    device, on rank 0's clock: the median, over its steps after the first two (step 0 makes Adam's moments), of the
+    time from the end of one step to the end of the next, each end the moment every stream and host thread is done.
+    host: "ideal" or "measured" (FAKE_CUDA_HOST); facts: a GPU facts file (default: the H200's). Give --steps 4 or
+    more. Raises with the run's last lines if it fails. For example, stage 0 at gpt2-xl's width, 2 of its 48 layers:
+        modelled_step("stage0_ddp.py", "--preset", "gpt2-xl", "--n_layer", "2", "--batch_size", "4", "--dtype",
+                      "bf16", "--steps", "4", "--eval_every", "1000", "--sample_chars", "0", "--no_progress")
+    (scaling by depth is the caller's: the step of L layers less the step of 2, over L - 2, is a layer's time.)"""
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, FAKE_CUDA_HOST=host, FAKE_CUDA_FINDINGS=out, CUDA_VISIBLE_DEVICES="")
+        env["FAKE_CUDA_FACTS"] = facts or FACTS
+        fake = [os.path.join(ROOT, "tests", "fake_cuda.py"), os.path.join(ROOT, script), *args]
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+        p = subprocess.run([sys.executable, *launcher, *fake], capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=timeout)
+        report = os.path.join(out, "rank0.json")
+        if p.returncode != 0 or not os.path.exists(report):
+            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(f"{script} on the fake device failed (exit code {p.returncode}):\n{tail}")
+        with open(report) as f:
+            ends = json.load(f)["clock"]["step_ends_s"]
+    if len(ends) < 4:
+        raise ValueError(f"{len(ends)} steps ran: give --steps 4 or more (the first two are not steady)")
+    return statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))

@@ -27,7 +27,11 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
     through the store, waiting FAKE_CUDA_COLLECTIVE_TIMEOUT seconds at most): the rank stops at once, naming both
     call stacks.
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
-stream in forward; collectives issued on another stream. Not modelled: speed. Memory (tests/fake_memory.py): device
+stream in forward; collectives issued on another stream. Time (tests/fake_clock.py, fake_streams.py): each stream's
+and each host thread's on a modelled clock, at a GPU's measured rates (FAKE_CUDA_HOST=ideal: the host's own time
+none); CUDA events record it (elapsed_time refuses events made without enable_timing=True, as CUDA does), a
+profiler asked for CUDA activity writes it as a GPU's trace, and instruments.Timeline reads it as its host clock, so
+--timeline draws the modelled step; each step's end goes to the findings file ("clock"). Memory (tests/fake_memory.py): device
 memory allocated, reserved and peak (cuBLAS's workspaces in it, one per thread's handle and stream), pinned host
 memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises OutOfMemoryError, and a leak
 (device memory that grows from step to step) refused, naming the line that made what is held. A device the project
@@ -267,7 +271,7 @@ class FakeCuda(TorchDispatchMode):
         if func in (aten.copy_.default, aten._to_copy.default):
             src, dst = (args[1], args[0]) if func is aten.copy_.default else (args[0], out)
             ends = (tag(src), tag(dst)) if host(src) != host(dst) else None
-        cost = fake_clock.work(func, args, kwargs, out, device, *(ends or ()))
+        cost = fake_clock.work(func, args, kwargs, out, device, ends=ends)
         if cost is not None:
             streams.queue(stream_id, *cost)
 
@@ -787,8 +791,9 @@ def report(code):
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"rank{rank}.json.part"), "w") as f:  # whole or absent: a rank may be stopped
             memory = {k: vars(m) for k, m in fake_memory.devices.items()}
+            clock = {"host": fake_clock.HOST, "facts": fake_clock.FACTS, "step_ends_s": state.step_ends}
             json.dump({"rank": rank, "exit_code": code, "findings": findings, "seen": +seen, "memory": memory,
-                       "host_memory": fake_memory.host_memory_stats()}, f, indent=1)
+                       "host_memory": fake_memory.host_memory_stats(), "clock": clock}, f, indent=1)
         os.replace(os.path.join(out, f"rank{rank}.json.part"), os.path.join(out, f"rank{rank}.json"))
     for message, count in findings.items():
         print(f"fake_cuda: rank {rank}: {message}" + f" ({count} times)" * (count > 1), file=sys.stderr, flush=True)
