@@ -343,7 +343,11 @@ class Timeline:
         """Around every training step: what ended before it is dropped; the traced step is written when it ends."""
         self.segments, self.calls, self.stack, self.waits = [], [], [], []
         self.collectives = [c for c in self.collectives if not c["ends"]]
-        self.spans = {row: [s for s in spans if s[2] is None] for row, spans in self.spans.items()}
+        # still running now: not ended yet, or (another thread's span on the host clock) ending later than this
+        # thread's now, as on the fake device's modelled clock, where each thread keeps its own time
+        now = time.perf_counter()
+        self.spans = {row: [s for s in spans if s[2] is None or isinstance(s[2], float) and s[2] > now]
+                      for row, spans in self.spans.items()}
         if step != self.step or not self.on:
             yield
             return
