@@ -29,13 +29,14 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
 stream in forward; collectives issued on another stream. Time (tests/fake_clock.py, fake_streams.py): each stream's
 and each host thread's on a modelled clock, at a GPU's measured rates (FAKE_CUDA_HOST=ideal: the host's own time
-none); CUDA events record it (elapsed_time refuses events made without enable_timing=True, as CUDA does), a
-profiler asked for CUDA activity writes it as a GPU's trace, and instruments.Timeline reads it as its host clock, so
---timeline draws the modelled step; each step's end goes to the findings file ("clock"). Memory (tests/fake_memory.py): device
-memory allocated, reserved and peak (cuBLAS's workspaces in it, one per thread's handle and stream), pinned host
-memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises OutOfMemoryError, and a leak
-(device memory that grows from step to step) refused, naming the line that made what is held. A device the project
-names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives, whatever its inputs' device.
+none); CUDA events record it (elapsed_time refuses events made without enable_timing=True, as CUDA does), a profiler
+asked for CUDA activity writes it as a GPU's trace, and instruments.Timeline reads it as its host clock, so
+--timeline draws the modelled step; each step's end goes to the findings file ("clock"). Memory
+(tests/fake_memory.py): device memory allocated, reserved and peak (cuBLAS's workspaces in it, one per thread's
+handle and stream), pinned host memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises
+OutOfMemoryError, and a leak (device memory that grows from step to step) refused, naming the line that made what is
+held. A device the project names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives, whatever its inputs'
+device.
 """
 import collections, concurrent.futures, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback
 import importlib, itertools, types, warnings, weakref

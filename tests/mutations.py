@@ -395,12 +395,14 @@ SLIPS = {
         ["tests/test_fake_clock.py::test_reductions_under_backward"],
         "each bucket's reduce-scatter waited for as it is issued: backward stops for every reduction"),
     "stage3_gathers_after_compute": (
-        "stage3.py", "        if after and not self.args.no_prefetch:\n", "        if after and self.args.no_prefetch:\n",
+        "stage3.py", "        if after and not self.args.no_prefetch:\n",
+        "        if after and self.args.no_prefetch:\n",
         ["tests/test_fake_clock.py::test_stage3_prefetched_gathers_under_compute"],
         "no prefetch: each unit's all-gather issued when it is needed, after the compute before it"),
     "offload_copies_after_backward": (
         "offload.py",
-        "            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: release it\n"
+        "            while self.in_flight:  # by now the previous bucket's reduction is (nearly always) done: "
+        "release it\n"
         "                self._release(self.in_flight.pop())\n"
         "            self.in_flight.append(b)\n",
         "            self.in_flight.append(b)\n",
@@ -408,9 +410,10 @@ SLIPS = {
         "every bucket released (its gradient copied down) only after all of backward"),
     "offload_update_waited_by_the_host": (
         "offload.py",
-        "        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, coef)\n",
-        "        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, coef)\n"
-        "        self.update.exception()\n",
+        "        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, "
+        "coef)\n",
+        "        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, self.optimizer.t, lr, "
+        "coef)\n        self.update.exception()\n",
         ["tests/test_fake_clock.py::test_delayed_update_under_forward_and_backward"],
         "--delayed_update's host waits for the update it has just submitted: nothing runs beside it"),
     "timeline_copies_on_the_compute_stream": (
@@ -419,7 +422,8 @@ SLIPS = {
         ["tests/test_fake_clock.py::test_copy_spans_are_the_copy_streams"],
         "offload's copy spans timed by events on the compute stream, not on the copy stream that runs them"),
     "timeline_events_without_timing": (
-        "instruments.py", "        event = torch.cuda.Event(enable_timing=True)\n", "        event = torch.cuda.Event()\n",
+        "instruments.py", "        event = torch.cuda.Event(enable_timing=True)\n",
+        "        event = torch.cuda.Event()\n",
         ["tests/test_fake_clock.py::test_copy_spans_are_the_copy_streams"],
         "the timeline's CUDA events made without enable_timing: on a GPU elapsed_time raises"),
 }

@@ -29,7 +29,7 @@ MODEL = ["--preset", "tiny", "--n_layer", "3", "--n_head", "4", "--n_embd", "256
          "--batch_size", "8", "--dtype", "fp32", "--steps", "3", "--eval_every", "1000", "--eval_batches", "1",
          "--sample_chars", "0", "--no_progress"]
 BUCKETS = ["--bucket_mb", "0.5"]  # a bucket a block (0.79M parameters, 3.1 MB) or less: 4 or more buckets
-DELAYED = ["--delayed_update", "--grad_accum", "4", "--batch_size", "32"]  # (4 micro-steps for the update to hide under)
+DELAYED = ["--delayed_update", "--grad_accum", "4", "--batch_size", "32"]  # 4 micro-steps for the update to hide under
 COMPUTE = ("forward", "backward", "optimizer", "other")  # every compute kernel ("other": the engine's hooks')
 # Each bucket's collective can hide under the compute that follows its issue: every one but the last (the
 # embedding's, whose gradient is complete when backward's last kernel is). "Mostly": more than half of their time.
