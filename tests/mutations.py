@@ -426,6 +426,12 @@ SLIPS = {
         "        event = torch.cuda.Event()\n",
         ["tests/test_fake_clock.py::test_copy_spans_are_the_copy_streams"],
         "the timeline's CUDA events made without enable_timing: on a GPU elapsed_time raises"),
+    "clock_matmul_rates_swapped": (
+        "tests/fake_clock.py",
+        '    return 1e12 * RATES["matmul_bfloat16_tflops" if half else "matmul_float32_tflops"]\n',
+        '    return 1e12 * RATES["matmul_float32_tflops" if half else "matmul_bfloat16_tflops"]\n',
+        ["tests/test_fake_clock.py::test_costs_at_the_h200s_rates"],
+        "the modelled clock's matmuls at the other dtype's rate (bf16 at fp32's, fp32 at bf16's)"),
 }
 
 

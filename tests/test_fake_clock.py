@@ -96,3 +96,30 @@ def test_copy_spans_are_the_copy_streams(traced):
         short = [e for e in spans if e["dur"] < e["args"]["bytes"] / (RATES[rate] * 1e3) - 1e-3]  # (µs)
         assert not short, (f"{len(short)} of {len(spans)} '{name}' spans are shorter than their bytes at "
                            f"{RATES[rate]} GB/s: not timed on the copy stream")
+
+
+def test_costs_at_the_h200s_rates():
+    """The clock's costs by hand (tests/fake_clock.py, the H200's rates): a bf16 and an fp32 matmul by their FLOPs, an
+    elementwise op by its bytes, a view none, a small op the small kernel's floor, pinned and pageable copies each
+    way by their bytes, an all-reduce at N = 2 by the bytes each GPU sends, the C++ AdamW by its parameters."""
+    import torch
+    import fake_clock
+    aten = torch.ops.aten
+    def seconds(func, *args, ends=None):
+        out = func(*args)
+        return fake_clock.work(func, args, {}, out, [*args, out], ends=ends)
+    n = 2048  # (a bf16 matmul of 1024 would be below the small kernel's floor)
+    for dtype, rate in ((torch.bfloat16, "matmul_bfloat16_tflops"), (torch.float32, "matmul_float32_tflops")):
+        a = torch.ones(n, n, dtype=dtype)
+        assert seconds(aten.mm.default, a, a)[0] == pytest.approx(2 * n**3 / (RATES[rate] * 1e12))
+    big = torch.ones(2**24)
+    assert seconds(aten.add.Tensor, big, big)[0] == pytest.approx(3 * big.nbytes / (RATES["device_copy_gb_s"] * 1e9))
+    assert seconds(aten.view.default, big, [-1]) is None
+    assert seconds(aten.add.Tensor, big[:4], big[:4])[0] == RATES["small_kernel_device_us"] * 1e-6
+    for ends, rate in ((("cuda:0", "pinned"), "d2h_pinned_gb_s"), (("pinned", "cuda:0"), "h2d_pinned_gb_s"),
+                       (("cuda:0", "cpu"), "d2h_pageable_gb_s"), (("cpu", "cuda:0"), "h2d_pageable_gb_s")):
+        cost, _, kind = fake_clock.work(aten.copy_.default, (big, big), {}, big, [big], ends=ends)
+        assert (cost, kind) == (pytest.approx(big.nbytes / (RATES[rate] * 1e9)), "gpu_memcpy"), ends
+    sent = big.nbytes  # an all-reduce sends 2(N - 1)/N of its buffer: at N = 2, all of it
+    assert fake_clock.collective("all_reduce", [big], 2) == pytest.approx(sent / (RATES["nvlink_gb_s"] * 1e9))
+    assert fake_clock.adam(4.18e9) == pytest.approx(1.0)
