@@ -580,6 +580,7 @@ def run(thread):
     """Thread.run under the mode, which is per thread (offload's delayed update runs in a thread of its own); its
     work spans from its start to its return, which the event thread.fake_cuda_end marks for join()."""
     with FakeCuda():
+        streams.idle()
         if hasattr(thread, "fake_cuda_start"):
             streams.host_waits_for_event(thread.fake_cuda_start)
         try:
@@ -599,6 +600,7 @@ def submit(executor, fn, /, *args, **kwargs):
     its return; the future's result() and exception(), once it is done, order the waiting thread after that."""
     begun, end = streams.host_event(), {}
     def task():
+        streams.idle()
         streams.host_waits_for_event(begun)
         try:
             return fn(*args, **kwargs)

@@ -201,6 +201,10 @@ class Model:
                 self.local.real = real
             return self.clock[h]
 
+    def idle(self):
+        """The calling thread waited for work until now (a pool's thread between its tasks): none of it its time."""
+        self.local.real = time.perf_counter()
+
     @contextlib.contextmanager
     def faking(self):
         """Around the fake device's own work (an op's math and checks, gloo's collectives, the host's real waits for
