@@ -182,7 +182,9 @@ def refuse(op, detail, at=None):
 def from_project():
     """Whether the op being dispatched was called by the project's own code (a frame in the project, not tests/),
     rather than by torch's C++ (autograd's saved options) or torch's Python."""
-    f = sys._getframe(2)  # (1: __torch_dispatch__; 2: the frame that called the op)
+    f = sys._getframe(1)
+    while f.f_code in (FakeCuda.__torch_dispatch__.__code__, FakeCuda.dispatch.__code__):  # (the mode's frames)
+        f = f.f_back
     path = os.path.abspath(f.f_code.co_filename)
     ours = any(path.startswith(d + os.sep) for d in state.dirs)
     return ours and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path
