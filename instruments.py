@@ -173,9 +173,9 @@ class Timeline:
         copies = getattr(engine, "copies", None)
         stream = getattr(copies, "stream", None) if self.cuda else None
         if hasattr(copies, "copy"):  # offload's copies between device and host, named by where they go
-            down = self._wrap(copies.copy, *self._span("copies", "copy to host", stream))
-            up = self._wrap(copies.copy, *self._span("copies", "copy to device", stream))
-            copies.copy = lambda dst, src: down(dst, src) if dst.device.type == "cpu" else up(dst, src)
+            down = self._span("copies", "copy to host", stream)
+            up = self._span("copies", "copy to device", stream)
+            copies.copy = self._wrap_copy(copies.copy, down, up)
         if hasattr(copies, "landed") and not self.cuda:  # the host waiting for copies: a wait, not compute (on a GPU
             # the wait shows as the gap between the kernels on either side of it)
             copies.landed = self._wrap(copies.landed, time.perf_counter,
@@ -286,13 +286,26 @@ class Timeline:
                 leave(token)
         return wrapped
 
+    def _wrap_copy(self, copy, down, up):
+        """copies.copy(dst, src), each call a span of the copies row (down: to the host, else up) with its bytes."""
+        def wrapped(dst, src):
+            if not self.on:
+                return copy(dst, src)
+            enter, leave = down if dst.device.type == "cpu" else up
+            span = enter(dict(bytes=src.numel() * src.element_size()))
+            try:
+                return copy(dst, src)
+            finally:
+                leave(span)
+        return wrapped
+
     def _span(self, row, name, stream):
         """enter and leave functions that record each call as a span of `row`, timed on `stream` ("host": the host
-        clock), and whether the computing thread ran it."""
-        def enter():
+        clock), and whether the computing thread ran it; enter(args): the span's args in the trace."""
+        def enter(args=None):
             if stream not in (None, "host"):  # what the copy itself does first: the copy stream waits for compute
                 stream.wait_stream(torch.cuda.current_stream())
-            span = [name, self.now(stream), None, self.here()]
+            span = [name, self.now(stream), None, self.here(), *([args] if args else [])]
             self.spans[row].append(span)
             return span
         def leave(span):
@@ -334,7 +347,11 @@ class Timeline:
         """Around every training step: what ended before it is dropped; the traced step is written when it ends."""
         self.segments, self.calls, self.stack, self.waits = [], [], [], []
         self.collectives = [c for c in self.collectives if not c["ends"]]
-        self.spans = {row: [s for s in spans if s[2] is None] for row, spans in self.spans.items()}
+        # still running now: not ended yet, or (another thread's span on the host clock) ending later than this
+        # thread's now, as on the fake device's modelled clock, where each thread keeps its own time
+        now = time.perf_counter()
+        self.spans = {row: [s for s in spans if s[2] is None or isinstance(s[2], float) and s[2] > now]
+                      for row, spans in self.spans.items()}
         if step != self.step or not self.on:
             yield
             return

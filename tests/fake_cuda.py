@@ -27,11 +27,16 @@ file:line, the op, and the tensors' devices (a host tensor's with the line that 
     through the store, waiting FAKE_CUDA_COLLECTIVE_TIMEOUT seconds at most): the rank stops at once, naming both
     call stacks.
 A rank reports every finding at exit, and exits 1. Recorded, for the tests: the compute stream waiting for another
-stream in forward; collectives issued on another stream. Not modelled: speed. Memory (tests/fake_memory.py): device
-memory allocated, reserved and peak (cuBLAS's workspaces in it, one per thread's handle and stream), pinned host
-memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises OutOfMemoryError, and a leak
-(device memory that grows from step to step) refused, naming the line that made what is held. A device the project
-names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives, whatever its inputs' device.
+stream in forward; collectives issued on another stream. Time (tests/fake_clock.py, fake_streams.py): each stream's
+and each host thread's on a modelled clock, at a GPU's measured rates (FAKE_CUDA_HOST=ideal: the host's own time
+none); CUDA events record it (elapsed_time refuses events made without enable_timing=True, as CUDA does), a profiler
+asked for CUDA activity writes it as a GPU's trace, and instruments.Timeline reads it as its host clock, so
+--timeline draws the modelled step; each step's end goes to the findings file ("clock"). Memory
+(tests/fake_memory.py): device memory allocated, reserved and peak (cuBLAS's workspaces in it, one per thread's
+handle and stream), pinned host memory, a budget per rank (FAKE_CUDA_FREE_BYTES) past which an allocation raises
+OutOfMemoryError, and a leak (device memory that grows from step to step) refused, naming the line that made what is
+held. A device the project names (device="cpu", .cpu(), .to("cpu")) is where its tensor lives, whatever its inputs'
+device.
 """
 import collections, concurrent.futures, contextlib, gc, inspect, json, os, runpy, sys, threading, time, traceback
 import importlib, itertools, types, warnings, weakref
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fake_clock  # what each piece of work costs on a GPU: the modelled clock's rates
 import fake_memory  # device memory and pinned host memory, counted from the storages tagged here
 import fake_streams  # stream order: torch's CUDA Sanitizer, fed from the dispatch and the stream stubs here
 
@@ -57,7 +63,7 @@ findings, seen = collections.Counter(), collections.Counter()  # refusals; what 
 # device: the current device, CUDA's first until torch.cuda.set_device; bound: the device the nccl process group is
 # bound to (its device_id, or the current device at its first collective); host_groups: the gloo groups made beside it
 state = types.SimpleNamespace(device=0, bound=None, nccl=False, dirs=[ROOT], compute=None, host_groups=set(),
-                              sync_debug=0)
+                              sync_debug=0, step_ends=[])  # step_ends: the modelled clock at each step's end
 
 class Flags(threading.local):  # per thread: in "forward", "backward" or "batch"; in a collective; in Tensor.to; the
     phase, collective, move, streams = None, False, False, ()  # streams made current (torch.cuda.stream), innermost last
@@ -176,7 +182,9 @@ def refuse(op, detail, at=None):
 def from_project():
     """Whether the op being dispatched was called by the project's own code (a frame in the project, not tests/),
     rather than by torch's C++ (autograd's saved options) or torch's Python."""
-    f = sys._getframe(2)  # (1: __torch_dispatch__; 2: the frame that called the op)
+    f = sys._getframe(1)
+    while f.f_code in (FakeCuda.__torch_dispatch__.__code__, FakeCuda.dispatch.__code__):  # (the mode's frames)
+        f = f.f_back
     path = os.path.abspath(f.f_code.co_filename)
     ours = any(path.startswith(d + os.sep) for d in state.dirs)
     return ours and not path.startswith(os.path.join(ROOT, "tests", "")) and "site-packages" not in path
@@ -208,6 +216,13 @@ class FakeCuda(TorchDispatchMode):
         if func.namespace == "c10d":  # collectives: checked by NCCL's rule where torch.distributed is called
             return func(*args, **kwargs)
         named = tensors([(a.name, v) for a, v in zip(func._schema.arguments, args)] + list(kwargs.items()))
+        want = kwargs.get("device")
+        if not (any(not host(t) for _, t in named) or isinstance(want, torch.device) and want.type == "cuda"):
+            return self.dispatch(func, args, kwargs, named)  # the host's own work: its time is the host's
+        with streams.faking():  # a GPU's kernel: modelled, the host's math here is the fake device's
+            return self.dispatch(func, args, kwargs, named)
+
+    def dispatch(self, func, args, kwargs, named):
         want, pin = kwargs.get("device"), kwargs.pop("pin_memory", None)  # pinning needs CUDA: a tag instead
         if want == torch.device("cpu") and flags.cxx_device and not from_project():  # (DDP's buckets)
             want = torch.device(flags.cxx_device)
@@ -250,9 +265,22 @@ class FakeCuda(TorchDispatchMode):
             if on:
                 stream_id = current_stream().id if any(not host(t) for t in on) else streams.host()
                 streams.kernel(stream_id, func, args, kwargs, out)
+                if stream_id not in streams.hosts:
+                    self.timed(stream_id, func, args, kwargs, out, on)
                 if waits:  # a blocking copy between device and host, a value read: the host waits for the stream
                     streams.host_waits_for_stream(stream_id)
         return out
+
+    def timed(self, stream_id, func, args, kwargs, out, on):
+        """The op's kernel (or copy) on the modelled clock: its cost (tests/fake_clock.py) queued on its stream."""
+        device = [t for t in on if not host(t)]
+        ends = None
+        if func in (aten.copy_.default, aten._to_copy.default):
+            src, dst = (args[1], args[0]) if func is aten.copy_.default else (args[0], out)
+            ends = (tag(src), tag(dst)) if host(src) != host(dst) else None
+        cost = fake_clock.work(func, args, kwargs, out, device, ends=ends)
+        if cost is not None:
+            streams.queue(stream_id, *cost)
 
     def check(self, func, named, want, pin, non_blocking):
         """Refuses what CUDA would; True where the host waits for the stream (a blocking copy, a value read)."""
@@ -299,7 +327,8 @@ class Stream:
     waiting for another stream's events in forward, where it should compute while copies and collectives run."""
     def __init__(self, *args, stream_id=None, **kwargs):
         self.id = streams.new_id() if stream_id is None else stream_id
-        streams.stream_created(self.id, where())
+        with streams.faking():
+            streams.stream_created(self.id, where())
     stream_id = property(lambda self: self.id)
     def wait_event(self, event):
         if self is state.compute and event.stream is not self:
@@ -311,28 +340,39 @@ class Stream:
         return (event or Event()).record(self)
     def synchronize(self):
         host_sync("synchronize()")
-        streams.host_waits_for_stream(self.id)
+        streams.host_waits_for_stream(self.id, "cudaStreamSynchronize")
     def query(self):  # done only once the host is ordered after its work (a copy down returns early)
         return streams.host_after_stream(self.id)
 
 class Event:
-    def __init__(self, *args, **kwargs):
+    """A CUDA event: recorded at its stream's modelled time; elapsed_time as CUDA refuses it (events made without
+    enable_timing=True, not recorded, or not yet done)."""
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
         self.stream = None  # where it was last recorded
         self.id = streams.new_id()
+        self.timing = enable_timing
     def record(self, stream=None):
         self.stream = stream or current_stream()
-        self.at = time.perf_counter()  # (the fake device runs each op as the host queues it: the host's clock)
-        streams.record(self.id, self.stream.id)
+        if isinstance(self.stream, fake_streams.Done):  # in a collective's future callback: at the collective's end
+            streams.at[self.id] = streams.at[self.stream.event.id]
+        else:
+            streams.record(self.id, self.stream.id)
         return self
     def wait(self, stream=None):
         (stream or current_stream()).wait_event(self)
     def synchronize(self):
         host_sync("synchronize()")
-        streams.host_waits_for_event(self.id)
+        streams.host_waits_for_event(self.id, "cudaEventSynchronize")
     def query(self):
         return streams.host_after_event(self.id)
     def elapsed_time(self, other):
-        return (other.at - self.at) * 1e3
+        if not (self.timing and other.timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.id not in streams.at or other.id not in streams.at:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not (self.query() and other.query()):
+            raise RuntimeError("CUDA error: device not ready (cudaEventElapsedTime before both events are done)")
+        return (streams.at[other.id] - streams.at[self.id]) * 1e3
 
 def synchronize(device=None):
     host_sync("synchronize()")
@@ -433,6 +473,9 @@ def nccl_checked(name, fn):
     another collective (one that calls another), the call as it is."""
     signature = inspect.signature(fn)
     def checked(*args, **kwargs):
+        with streams.faking():  # gloo's work here is the GPU's, modelled
+            return check_collective(*args, **kwargs)
+    def check_collective(*args, **kwargs):
         bound = signature.bind_partial(*args, **kwargs).arguments
         if not state.nccl or flags.collective or bound.get("group") in state.host_groups:
             return during("collective", True, fn)(*args, **kwargs)
@@ -452,6 +495,8 @@ def nccl_checked(name, fn):
             real["exit"](report(1))
         state.nccl_stream.wait_stream(issued_on)  # NCCL's stream runs it after the work queued where it was issued
         streams.tensors(fake_streams.NCCL, f"c10d {name}", *fake_streams.collective_tensors(name, named))
+        world = dist.get_world_size(bound.get("group"))
+        streams.queue(fake_streams.NCCL, fake_clock.collective(name, [t for _, t in named], world), f"c10d::{name}")
         done = state.nccl_stream.record_event()
         held = [t for _, t in named]
         for t in held:  # c10d holds its tensors (a reference) until the collective is waited for
@@ -465,7 +510,7 @@ def nccl_checked(name, fn):
             while held:
                 streams.release(held.pop(), fake_streams.NCCL)
         if bound.get("async_op"):
-            return fake_streams.Work(work, done, join)
+            return fake_streams.Work(work, done, join, stream)
         join(done)  # a blocking collective: the current stream waits for it
         return work
     return checked
@@ -483,7 +528,14 @@ def entry_point(name, fn):
         read = [named[1][1]] if name == "adam_step" else [t for _, t in named]
         written = [t for n, t in named if n != "arg1"] if name == "adam_step" else []
         streams.tensors(streams.host(), f"cpu_adam.{name}", read, written)
-        return fn(*args, **kwargs)
+        # its time: the GPU machine's host's (the C++ AdamW's rate, or a read of the gradient), not this one's
+        with streams.faking():
+            out = fn(*args, **kwargs)
+        if name == "adam_step":
+            streams.host_work(fake_clock.adam(args[0].numel()))
+        else:
+            streams.host_work(fake_clock.host_read(sum(t.numel() * t.element_size() for _, t in named)))
+        return out
     return call
 
 def checked_engine(Engine):
@@ -505,6 +557,11 @@ def checked_engine(Engine):
     def leak_checked(engine, *args, **kwargs):  # device memory allocated after each step, against the step before
         before = seen["host syncs in the rest"]
         out = step(engine, *args, **kwargs)
+        with streams.faking():
+            check_leak(before)
+        state.step_ends.append(max(streams.clock.values()))  # the modelled time every stream and thread is done by
+        return out
+    def check_leak(before):
         seen["most host syncs in one step"] = max(seen["most host syncs in one step"],
                                                   seen["host syncs in the rest"] - before)
         gc.collect()  # what only the cycle collector frees (a step's temporaries in a cycle) is garbage, not a leak
@@ -517,7 +574,6 @@ def checked_engine(Engine):
         leak = fake_memory.after_step(state.device)
         if leak:
             findings[f"{leak[0]} {leak[1]}"] += 1
-        return out
     Engine.step = leak_checked
     return Engine
 
@@ -530,6 +586,7 @@ def run(thread):
     """Thread.run under the mode, which is per thread (offload's delayed update runs in a thread of its own); its
     work spans from its start to its return, which the event thread.fake_cuda_end marks for join()."""
     with FakeCuda():
+        streams.idle()
         if hasattr(thread, "fake_cuda_start"):
             streams.host_waits_for_event(thread.fake_cuda_start)
         try:
@@ -539,7 +596,8 @@ def run(thread):
 
 def join(thread, timeout=None):
     """Thread.join: once the thread has ended, the joining thread is ordered after all of its work."""
-    real["join"](thread, timeout)
+    with streams.faking():  # (the other thread's time is its own)
+        real["join"](thread, timeout)
     if not thread.is_alive() and hasattr(thread, "fake_cuda_end"):
         streams.host_waits_for_event(thread.fake_cuda_end)
 
@@ -548,6 +606,7 @@ def submit(executor, fn, /, *args, **kwargs):
     its return; the future's result() and exception(), once it is done, order the waiting thread after that."""
     begun, end = streams.host_event(), {}
     def task():
+        streams.idle()
         streams.host_waits_for_event(begun)
         try:
             return fn(*args, **kwargs)
@@ -561,7 +620,8 @@ def submit(executor, fn, /, *args, **kwargs):
 def joined(wait, future, end):
     def call(*args, **kwargs):
         try:
-            return wait(*args, **kwargs)
+            with streams.faking():
+                return wait(*args, **kwargs)
         finally:
             if future.done() and "event" in end:
                 streams.host_waits_for_event(end["event"])
@@ -598,37 +658,70 @@ def host_generator(sample_text):
 def host_profile(profile):
     """torch.profiler.profile without ProfilerActivity.CUDA (--profile on the device): a CPU build of torch records
     no CUDA activity, and asked to, warns with a stack trace at every op; the fake device's ops are the host's. Asked
-    for CUDA activity, its Chrome trace also holds what a GPU's would: each innermost op of the threads as a kernel
-    on the compute stream, launched (a cudaLaunchKernel, by correlation id) where it ran."""
-    def profiled(activities=None, **kwargs):
-        cuda = torch.profiler.ProfilerActivity.CUDA in (activities or [])
-        prof = profile(activities=[a for a in activities or [] if a != torch.profiler.ProfilerActivity.CUDA] or None,
-                       **kwargs)
-        if cuda:
-            export = prof.export_chrome_trace
-            prof.export_chrome_trace = lambda path: export(path) or with_kernels(path)
-        return prof
-    return profiled
+    for CUDA activity, its Chrome trace is the modelled clock's instead (modelled_trace), as a GPU's would be."""
+    class Profile(profile):
+        def __init__(self, activities=None, **kwargs):
+            self.fake_cuda = torch.profiler.ProfilerActivity.CUDA in (activities or [])
+            self.recorded = []
+            cpu = [a for a in activities or [] if a != torch.profiler.ProfilerActivity.CUDA]
+            super().__init__(activities=cpu or None, **kwargs)
+        def start(self):
+            if self.fake_cuda:
+                streams.recording = self.recorded
+            super().start()
+        def stop(self):
+            super().stop()
+            if self.fake_cuda:
+                streams.recording = None
+        def export_chrome_trace(self, path):
+            super().export_chrome_trace(path)
+            if self.fake_cuda:
+                modelled_trace(path, self.recorded)
+    return Profile
 
-def with_kernels(path):
-    """The Chrome trace at `path`, each innermost CPU op given a kernel on the compute stream (a collective's on the
-    nccl stream) and its launch."""
+class RecordFunction(torch.autograd.profiler.record_function):
+    """torch.profiler.record_function, its annotation also recorded on the modelled clock."""
+    def __enter__(self):
+        self.fake_cuda_start = streams.now()
+        return super().__enter__()
+    def __exit__(self, *exc):
+        streams.annotate(self.name, self.fake_cuda_start, streams.now())
+        return super().__exit__(*exc)
+
+def modelled_trace(path, recorded):
+    """The Chrome trace at `path` as a GPU's profiler writes it, in modelled microseconds: the annotations (forward,
+    backward, step, ...), each launch (cudaLaunchKernel, cudaMemcpyAsync) and its kernel or copy on its stream (tied
+    by a correlation id), the host's synchronize calls. The host's CPU ops, on the real clock, are left out."""
     with open(path) as f:
         trace = json.load(f)
-    ops = sorted((e for e in trace["traceEvents"] if e.get("cat") == "cpu_op"), key=lambda e: (e["tid"], e["ts"]))
-    added = []
-    for i, e in enumerate(ops):
-        after = ops[i + 1] if i + 1 < len(ops) else None
-        if after and after["tid"] == e["tid"] and after["ts"] < e["ts"] + e["dur"]:
-            continue  # an op inside it: the innermost ops are the kernels
-        # a collective's kernel on NCCL's stream of its own (on an H200 stream 7 beside the current stream 0)
-        stream = fake_streams.NCCL if e["name"].startswith("c10d::") else fake_streams.csan.DEFAULT_STREAM_ID
-        args = {"correlation": len(added) + 1, "stream": stream}
-        added.append(dict(e, cat="cuda_runtime", name="cudaLaunchKernel", dur=0, args=args))
-        added.append(dict(e, cat="kernel", args=args))
-    trace["traceEvents"] += added
+    pid, us = os.getpid(), lambda t: round(t * 1e6, 3)
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
+    for k, (kind, name, thread, *times) in enumerate(recorded, 1):
+        if kind == "annotation":
+            events.append(dict(ph="X", cat="user_annotation", name=name, pid=pid, tid=thread, ts=us(times[0]),
+                               dur=us(times[1]) - us(times[0])))
+        elif kind == "sync":
+            events.append(dict(ph="X", cat="cuda_runtime", name=name, pid=pid, tid=thread, ts=us(times[0]),
+                               dur=us(times[1]) - us(times[0])))
+        else:
+            launch, stream, start, end = times
+            args = {"correlation": k, "stream": stream}
+            call = "cudaMemcpyAsync" if kind == "gpu_memcpy" else "cudaLaunchKernel"
+            events.append(dict(ph="X", cat="cuda_runtime", name=call, pid=pid, tid=thread, ts=us(launch),
+                               dur=us(fake_clock.LAUNCH), args=args))
+            events.append(dict(ph="X", cat=kind, name=name, pid=pid, tid=f"stream {stream}", ts=us(start),
+                               dur=us(end) - us(start), args=args))
+    trace["traceEvents"] = events
     with open(path, "w") as f:
         json.dump(trace, f)
+
+class ModelledTime(types.ModuleType):
+    """The time module, its perf_counter the calling thread's modelled time (the clock instruments.Timeline reads)."""
+    def __init__(self):
+        super().__init__("time")
+    perf_counter = staticmethod(lambda: streams.now())
+    def __getattr__(self, name):
+        return getattr(time, name)
 
 def install():
     # TorchScript compiles torch.distributed.optim's optimizers at import: before torch.tensor is ours
@@ -670,7 +763,11 @@ def install():
     dist.init_process_group, threading.Thread.run = init_process_group, run
     threading.Thread.start, threading.Thread.join = start, join
     concurrent.futures.ThreadPoolExecutor.submit = submit
-    dist.Work.wait = during("collective", True, dist.Work.wait)  # gloo's own copies in it (NCCL makes none)
+    wait = during("collective", True, dist.Work.wait)  # gloo's own copies in it (NCCL makes none)
+    def work_wait(*args, **kwargs):
+        with streams.faking():  # the host's real wait for gloo: the modelled wait is Work's join
+            return wait(*args, **kwargs)
+    dist.Work.wait = work_wait
     for name in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
                  "all_gather_single", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather", "scatter",
                  "all_to_all_single", "send", "recv", "isend", "irecv"):
@@ -688,6 +785,9 @@ def install():
     train_gpt.CharData.batch = during("phase", "batch", train_gpt.CharData.batch)  # its copies up: never blocking
     train_gpt.sample_text = host_generator(train_gpt.sample_text)
     torch.profiler.profile = host_profile(torch.profiler.profile)
+    torch.profiler.record_function = RecordFunction
+    import instruments
+    instruments.time = ModelledTime()  # the Timeline's host clock: the modelled one
     main = train_gpt.main
     train_gpt.main = lambda Engine, *args, **kwargs: main(checked_engine(Engine), *args, **kwargs)
     os._exit = lambda code: sys.stdout.flush() or real["exit"](report(code))  # instruments.finish's exit: os._exit(0)
@@ -700,8 +800,9 @@ def report(code):
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"rank{rank}.json.part"), "w") as f:  # whole or absent: a rank may be stopped
             memory = {k: vars(m) for k, m in fake_memory.devices.items()}
+            clock = {"host": fake_clock.HOST, "facts": fake_clock.FACTS, "step_ends_s": state.step_ends}
             json.dump({"rank": rank, "exit_code": code, "findings": findings, "seen": +seen, "memory": memory,
-                       "host_memory": fake_memory.host_memory_stats()}, f, indent=1)
+                       "host_memory": fake_memory.host_memory_stats(), "clock": clock}, f, indent=1)
         os.replace(os.path.join(out, f"rank{rank}.json.part"), os.path.join(out, f"rank{rank}.json"))
     for message, count in findings.items():
         print(f"fake_cuda: rank {rank}: {message}" + f" ({count} times)" * (count > 1), file=sys.stderr, flush=True)

@@ -27,13 +27,20 @@ On a GPU torch feeds it from its CUDA trace; here the fake device feeds it by ha
     (untyped_storage().resize_(0), ZeRO-3's free) is a free at once, whatever references it, so c10d's reference does
     not cover it: a collective not yet waited for that may still use it is refused, naming both lines; resized up
     again it is new memory, made on the current stream.
+The clock (tests/fake_clock.py says what each piece of work costs): a modelled time per stream, when its queued
+work is done, and per host thread, its now. A kernel, copy or collective launched by a thread costs that thread a
+launch and runs on its stream once the stream is free and the launch is done; an event records its stream's time
+(a host stream's: its now); a wait moves the waiting stream, and a host sync the waiting thread, to the time waited
+for; a thread starts at its starter's time. While a profiler records CUDA activity, each piece of device work, each
+host sync and each annotation is recorded with its modelled times (`recording`).
 Memory is the storage's bytes: each access covers the byte range its tensor spans, so two slices of one buffer used by
 two streams are apart; the ranges are the Sanitizer's "data pointers" (a storage's number and a byte offset, pieces
 split where an access begins or ends).
 """
-import bisect, itertools, threading, weakref
+import bisect, collections, contextlib, itertools, threading, time, weakref
 
 import torch.cuda._sanitizer as csan
+import fake_clock
 from torch.utils import _pytree as pytree
 
 HOST = -1  # the main thread's host work on pinned memory, as a stream of the Sanitizer's (other threads: their own)
@@ -60,6 +67,9 @@ class Model:
         self.pending = []  # (the stream a freed storage was made on, a use it was not ordered after, number, where)
         self.starts = {}  # storage number -> the sorted byte offsets where its pieces start
         self.freed = []  # (storage number, where) freed since the model last ran: checked at its next call
+        self.clock = collections.defaultdict(float)  # stream -> modelled seconds: its work done by then (a host's now)
+        self.at = {}  # event -> the modelled time it was recorded at
+        self.recording = None  # while a profiler records CUDA activity: (kind, name, thread or stream, times...)
 
     def new_id(self):
         return next(self.ids)
@@ -156,20 +166,86 @@ class Model:
     def record(self, event, stream):
         with self.lock:
             self.handler._handle_event_record(event, stream)
+            now = self.now()
+            if stream not in self.hosts:  # (an idle stream: the event is done when the host records it)
+                self.clock[stream] = max(self.clock[stream], now)
+            self.at[event] = self.clock[stream] if stream not in self.hosts else now
 
     def wait(self, stream, event):
         with self.lock:
             self.handler._handle_event_wait(event, stream)
+            self.clock[stream] = max(self.clock[stream], self.at.get(event, 0.0))
 
-    def host_waits_for_event(self, event):
-        """Event.synchronize(), a thread's end waited for: the calling thread alone waits (its later launches too)."""
+    def host_waits_for_event(self, event, sync=None):
+        """Event.synchronize(), a thread's end waited for: the calling thread alone waits (its later launches too).
+        sync: the CUDA call that waits, for a profiler's record."""
         with self.lock:
             self.handler.syncs.stream_wait_for_event(self.host(), event)
+            self._host_until(self.at.get(event, 0.0), sync)
 
-    def host_waits_for_stream(self, stream):
+    def host_waits_for_stream(self, stream, sync="cudaStreamSynchronize"):
         with self.lock:
             syncs = self.handler.syncs
             syncs._state_wait_for_other(syncs.current_sync_states[self.host()], syncs.current_sync_states[stream])
+            self._host_until(self.clock[stream], sync)
+
+    # ---- the modelled clock
+    def now(self):
+        """The calling thread's modelled time; with the measured host, first moved on by the real time the thread ran
+        since it last asked, outside the fake device's own work (faking())."""
+        with self.lock:
+            h = self.host()
+            if not fake_clock.IDEAL and not getattr(self.local, "faking", 0):
+                real = time.perf_counter()
+                self.clock[h] += real - getattr(self.local, "real", real)
+                self.local.real = real
+            return self.clock[h]
+
+    def idle(self):
+        """The calling thread waited for work until now (a pool's thread between its tasks): none of it its time."""
+        self.local.real = time.perf_counter()
+
+    @contextlib.contextmanager
+    def faking(self):
+        """Around the fake device's own work (an op's math and checks, gloo's collectives, the host's real waits for
+        them and for other threads): none of its real time is the host's."""
+        self.now()
+        self.local.faking = getattr(self.local, "faking", 0) + 1
+        try:
+            yield
+        finally:
+            self.local.faking -= 1
+            if not self.local.faking:
+                self.local.real = time.perf_counter()
+
+    def _host_until(self, t, sync=None):
+        """The calling thread waits until modelled time t."""
+        start = self.now()
+        self.clock[self.host()] = max(start, t)
+        if self.recording is not None and sync:
+            self.recording.append(("sync", sync, threading.get_ident(), start, max(start, t)))
+
+    def queue(self, stream, seconds, name, kind="kernel"):
+        """Device work of `seconds` launched on `stream` by the calling thread now: the thread pays the launch, and
+        the work runs once the stream is free and the launch is done."""
+        with self.lock:
+            h = self.host()
+            launch = self.now()
+            self.clock[h] = launch + fake_clock.LAUNCH
+            start = max(self.clock[stream], self.clock[h])
+            self.clock[stream] = start + seconds
+            if self.recording is not None:
+                self.recording.append((kind, name, threading.get_ident(), launch, stream, start, start + seconds))
+
+    def host_work(self, seconds):
+        """The calling thread computes for `seconds` (the C++ AdamW at the GPU machine's host's rate)."""
+        with self.lock:
+            self.clock[self.host()] = self.now() + seconds
+
+    def annotate(self, name, start, end):
+        """A profiler annotation (record_function) of the calling thread, from start to end (modelled)."""
+        if self.recording is not None:
+            self.recording.append(("annotation", name, threading.get_ident(), start, end))
 
     def host_after_event(self, event):
         """Event.query(): whether the calling thread is ordered after everything the event was recorded after."""
@@ -189,14 +265,18 @@ class Model:
     def device_synchronize(self):
         """torch.cuda.synchronize(): the calling thread waits for every device stream, not for the other threads."""
         with self.lock:
+            start = self.now()
             for stream in [s for s in self.handler.syncs.current_sync_states if s not in self.hosts]:
-                self.host_waits_for_stream(stream)
+                self.host_waits_for_stream(stream, sync=None)
+            if self.recording is not None:
+                self.recording.append(("sync", "cudaDeviceSynchronize", threading.get_ident(), start, self.now()))
 
     def host_event(self):
         """An event recorded on the calling thread's host stream now (a thread's task starts after it; its end)."""
         with self.lock:
             event = self.new_id()
             self.handler._handle_event_record(event, self.host())
+            self.at[event] = self.now()
             return event
 
     def record_stream(self, t, stream):
@@ -328,18 +408,46 @@ def collective_tensors(name, named):
 
 class Work:
     """An async collective's handle: its wait() makes the current stream wait for the collective (as NCCL's does)."""
-    def __init__(self, work, done, join):
+    def __init__(self, work, done, join, stream):
         self.work = work
         self.done = done  # the event recorded after it on the nccl stream
         self.join = join  # join(event): the current stream waits for the event
+        self.stream = stream  # torch.cuda.stream, the fake device's
 
     def wait(self, *args, **kwargs):
         out = self.work.wait(*args, **kwargs)
         self.join(self.done)
         return out
 
+    def get_future(self):
+        return Future(self)
+
     def __getattr__(self, name):
         return getattr(self.work, name)
+
+
+class Future:
+    """An async collective's future: then(callback) runs the callback once gloo's work is done, as NCCL runs it,
+    with the collective's own stream current (Done: the modelled time its `done` event recorded)."""
+    def __init__(self, work):
+        self.work = work
+
+    def then(self, callback):
+        def run(_=None):
+            with self.work.stream(Done(self.work.done)):
+                callback(self)
+        try:
+            self.work.work.get_future().then(run)
+        except RuntimeError:  # (gloo's reduce-scatter has no future: a thread waits for it)
+            threading.Thread(target=lambda: (self.work.work.wait(), run()), daemon=True).start()
+
+
+class Done:
+    """The stream a collective's future callback runs on: every event recorded on it is at the collective's end."""
+    def __init__(self, event):
+        self.event = event
+        self.id = NCCL
+
 
 
 class Sequence:

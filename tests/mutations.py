@@ -604,6 +604,53 @@ SLIPS = {
         ["tests/test_any_model.py::test_a_write_between_steps_is_refused_before_the_update[stage1]",
          "tests/test_any_model_random.py::test_random_models_match_torch_adamw[stage1-1]"],
         "stage 1 lets a write to a parameter between steps through: the next update silently undoes it"),
+    # serial schedules the modelled clock (tests/fake_clock.py) must see on the fake device's timeline
+    "stage0_reduction_waited_in_its_hook": (
+        "stage0_ddp.py", "            b.work = comm.all_reduce(b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        "            b.work = comm.all_reduce(b.grad, op=dist.ReduceOp.AVG, async_op=True)\n"
+        "            b.work.wait()\n",
+        ["tests/test_fake_clock.py::test_reductions_under_backward"],
+        "each bucket's all-reduce waited for as it is issued: backward stops for every reduction"),
+    "stage2_reduction_waited_in_its_hook": (
+        "stage2.py",
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n",
+        "            b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)\n"
+        "            b.work.wait()\n",
+        ["tests/test_fake_clock.py::test_reductions_under_backward"],
+        "each bucket's reduce-scatter waited for as it is issued: backward stops for every reduction"),
+    "stage3_gathers_after_compute": (
+        "stage3.py", "        if after and not self.args.no_prefetch:\n",
+        "        if after and self.args.no_prefetch:\n",
+        ["tests/test_fake_clock.py::test_stage3_prefetched_gathers_under_compute"],
+        "no prefetch: each unit's all-gather issued when it is needed, after the compute before it"),
+    "offload_copies_after_backward": (
+        "offload.py", "            self._release(b)\n",
+        "            torch.autograd.Variable._execution_engine.queue_callback(lambda b=b: self._release(b))\n",
+        ["tests/test_fake_clock.py::test_offload_gradient_copies_under_backward"],
+        "every bucket released (its gradient copied down) only after all of backward"),
+    "offload_update_waited_by_the_host": (
+        "offload.py",
+        "        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, landed, lr, coef, scaler)\n",
+        "        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, landed, lr, coef, scaler)\n"
+        "        self.update.exception()\n",
+        ["tests/test_fake_clock.py::test_delayed_update_under_forward_and_backward"],
+        "--delayed_update's host waits for the update it has just submitted: nothing runs beside it"),
+    "timeline_copies_on_the_compute_stream": (
+        "instruments.py", '        stream = getattr(copies, "stream", None) if self.cuda else None\n',
+        "        stream = torch.cuda.current_stream() if self.cuda else None\n",
+        ["tests/test_fake_clock.py::test_copy_spans_are_the_copy_streams"],
+        "offload's copy spans timed by events on the compute stream, not on the copy stream that runs them"),
+    "timeline_events_without_timing": (
+        "instruments.py", "        event = torch.cuda.Event(enable_timing=True)\n",
+        "        event = torch.cuda.Event()\n",
+        ["tests/test_fake_clock.py::test_copy_spans_are_the_copy_streams"],
+        "the timeline's CUDA events made without enable_timing: on a GPU elapsed_time raises"),
+    "clock_matmul_rates_swapped": (
+        "tests/fake_clock.py",
+        '    return 1e12 * RATES["matmul_bfloat16_tflops" if half else "matmul_float32_tflops"]\n',
+        '    return 1e12 * RATES["matmul_float32_tflops" if half else "matmul_bfloat16_tflops"]\n',
+        ["tests/test_fake_clock.py::test_costs_at_the_h200s_rates"],
+        "the modelled clock's matmuls at the other dtype's rate (bf16 at fp32's, fp32 at bf16's)"),
 }
 
 

@@ -32,7 +32,12 @@ def test_offload_gpu_smallest_on_the_fake_device(tmp_path):
     assert sorted(result["sweep"]) == sorted(runs), result["sweep"]
     assert all(r["tflops"] > 0 and r["note"] is None for r in result["sweep"].values()), result["sweep"]
     for name in runs[len(accums):]:  # offload's runs carry their timeline's fractions: it has copies and C++ AdamW
-        assert all(0 <= result["sweep"][name][row] <= 1 for row in ("copies", "cpu adam")), result["sweep"][name]
+        assert all(0 <= result["sweep"][name][row] <= 1 for row in ("copies", "cpu adam")
+                   if not (name.startswith("offload_dpu") and row == "cpu adam")), result["sweep"][name]
+    # with --delayed_update the traced step holds the update of the step before only while it runs: on the fake
+    # device's clock (the H200's host) the tiny GPT's takes microseconds, and may be over before the step begins
+    for name in runs[2 * len(accums):]:
+        assert result["sweep"][name]["cpu adam"] is None or 0 <= result["sweep"][name]["cpu adam"] <= 1
     assert list(result["largest"]) == ["stage0", "offload", "offload_nvme"], result["largest"]
     assert all(r["layers"] > 0 and r["tflops"] > 0 for r in result["largest"].values()), result["largest"]
     page = (out / "offload_gpu.md").read_text()
