@@ -415,8 +415,8 @@ SLIPS = {
         ["tests/test_timeline.py::test_nvme_reads_run_beside_adam"],
         "the timeline draws the host's wait for an NVMe transfer as a wait for --delayed_update's thread"),
     "timeline_copies_named_the_other_way": (
-        "instruments.py", 'down(dst, src) if dst.device.type == "cpu" else up(dst, src)',
-        'down(dst, src) if src.device.type == "cpu" else up(dst, src)',
+        "instruments.py", 'enter, leave = down if dst.device.type == "cpu" else up',
+        'enter, leave = down if src.device.type == "cpu" else up',
         ["tests/test_gpu_check.py::test_gpu_check_without_a_gpu"],
         "the timeline names offload's copies to the host as copies to the device, and the other way round"),
     "beta_of_one_accepted": (
