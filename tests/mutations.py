@@ -625,9 +625,10 @@ SLIPS = {
         "no prefetch: each unit's all-gather issued when it is needed, after the compute before it"),
     "offload_copies_after_backward": (
         "offload.py", "            self._release(b)\n",
-        "            torch.autograd.Variable._execution_engine.queue_callback(lambda b=b: self._release(b))\n",
+        "            torch.autograd.Variable._execution_engine.queue_callback(lambda b=b: (self.copies.stream.wait_stream("
+        "torch.cuda.current_stream()), self._release(b)))\n",
         ["tests/test_fake_clock.py::test_offload_gradient_copies_under_backward"],
-        "every bucket released (its gradient copied down) only after all of backward"),
+        "every bucket released (its gradient copied down) at the end of backward, behind all of its kernels"),
     "offload_update_waited_by_the_host": (
         "offload.py",
         "        self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, landed, lr, coef, scaler)\n",
