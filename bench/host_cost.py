@@ -1,8 +1,8 @@
 """
 bench/host_cost.py: what each engine costs the host per micro-step, where the model's compute costs nothing.
 
-    python bench/host_cost.py                      # N = 1, on the CPU (or --device cuda on a GPU)
-    python bench/host_cost.py --rounds 3 --micro 8 # the CI size
+    python bench/host_cost.py --results            # N = 1, on the CPU (or --device cuda on a GPU)
+    python bench/host_cost.py --rounds 1 --micro 2 --results DIR   # the CI size (tests/test_offload.py)
 
 A GPT of many thin layers (--n_layer 48 of width 16, 8 tokens a micro-batch): its kernels take microseconds, so a
 micro-step's time is the engine's own work on the host: Python, hooks, collective calls, the copies' bookkeeping. On
@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 from devices import free_port, pick_device  # noqa: E402
 from options import gpt_config, parse_args  # noqa: E402
+from results import add_flag, publish  # noqa: E402
 from train_gpt import GPTConfig, PRESETS, build_model  # noqa: E402
 
 ENGINES = {"stage 0": ("stage0_ddp", "DDPEngine"), "stage 3": ("stage3", "ZeRO3Engine"),
@@ -67,6 +68,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=7, help="rounds of every engine in turn (the median is reported)")
     ap.add_argument("--micro", type=int, default=20, help="micro-steps per engine per round")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_flag(ap)
     args = ap.parse_args()
     device = pick_device(args.device, 0)
     # one thread: the kernels are microseconds, and a pool of threads would only add its own waits to the host time
@@ -84,17 +86,19 @@ def main():
         for name, (engine, x) in engines.items():
             times[name].append(micro_steps(engine, x, args.micro, device))
     median = {name: statistics.median(t) for name, t in times.items()}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"host time per micro-step, N = 1, {device.type}, {os.cpu_count()} cores ({cpu}), "
-          f"torch {torch.__version__}, median of {args.rounds} rounds of {args.micro}:")
-    print("| engine | ms per micro-step | / stage 0 |")
-    print("|---|---|---|")
+    lines = [f"Host time per micro-step at N = 1 on {device.type} (a GPT of 48 layers of width 16, 8 tokens; one "
+             f"thread), median of {args.rounds} rounds of {args.micro} micro-steps each:", "",
+             "| engine | ms per micro-step | / stage 0 |", "|---|---:|---:|"]
     for name, t in median.items():
-        print(f"| {name} | {t * 1e3:.2f} | {t / median['stage 0']:.2f} |")
+        lines.append(f"| {name} | {t * 1e3:.2f} | {t / median['stage 0']:.2f} |")
+    lines += ["", f"host time per micro-step: offload / stage 0 {median['offload'] / median['stage 0']:.2f}, "
+              f"stage 3 / FSDP2 {median['stage 3'] / median['FSDP2']:.2f}"]
     dist.barrier()
     dist.destroy_process_group()
-    print(f"host time per micro-step: offload / stage 0 {median['offload'] / median['stage 0']:.2f}, "
-          f"stage 3 / FSDP2 {median['stage 3'] / median['FSDP2']:.2f}")
+    body = "\n".join(lines)
+    if args.results:
+        publish("host_cost", body, "fp32", args.results)
+    print(body)
 
 
 if __name__ == "__main__":

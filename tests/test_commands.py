@@ -76,6 +76,7 @@ COVERED = {
     "python bench/bench_nvme.py --results": "tests/test_nvme.py::test_bench_quick",
     "python bench/bench_nvme.py --quick": "tests/test_nvme.py::test_bench_quick",
     "python bench/offload_gpu.py": "tests/test_offload_gpu.py::test_offload_gpu_smallest_on_the_fake_device",
+    "python bench/host_cost.py --results": "tests/test_offload.py::test_host_cost_at_its_smallest",
     # tests/README.md, course/README.md
     f"python -m pytest tests --stage {STUDENT}": "test_grading",
     f'python -m pytest "tests/test_stages.py::test_parity_with_reference[student_stage2-2]" --stage {STUDENT}':

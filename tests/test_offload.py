@@ -330,3 +330,20 @@ def test_the_step_passes_over_the_host_gradient_once(tmp_path):
     assert not others, f"the step touches the host gradient shard besides AdamW: {others}"
     read = sum(n for name, n in calls if name == "adam_step")
     assert read == numel, f"AdamW read {read:,} elements of the {numel:,}-element gradient shard in one step"
+
+
+def test_host_cost_at_its_smallest(tmp_path):
+    """bench/host_cost.py at its smallest (one round of two micro-steps per engine, FSDP2 included): a row per engine,
+    stage 0's ratio 1.00, and its last line as bench/README.md quotes it. Its numbers are this CPU's, not checked."""
+    import re
+    import subprocess
+    out = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "host_cost.py"), "--rounds", "1", "--micro", "2",
+                        "--results", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    text = (out / "host_cost.md").read_text()
+    rows = re.findall(r"^\| (stage 0|stage 3|offload|FSDP2) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
+    assert [r[0] for r in rows] == ["stage 0", "stage 3", "offload", "FSDP2"], text
+    assert rows[0][2] == "1.00" and all(float(ms) > 0 for _, ms, _ in rows), text
+    last = p.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"host time per micro-step: offload / stage 0 \d+\.\d\d, stage 3 / FSDP2 \d+\.\d\d", last), last
