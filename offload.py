@@ -259,15 +259,13 @@ class ZeROOffloadEngine:
         if b.waiting == 0:
             # the bucket's backward is done: free its full parameters
             self._free(b)
-            # reduce-scatter the complete bucket into b.reduced (async); release the bucket reduced before it
+            # reduce-scatter the complete bucket into b.reduced (async), and queue its copy down behind it at once
             b.reduced = torch.empty_like(self._my_shard_of(b.grad))  # gets this rank's shard of the bucket's average
             b.work = comm.reduce_scatter(b.reduced, b.grad, op=dist.ReduceOp.AVG, async_op=True)
             self.outside.order.issued(b)
-            # its copy down is queued now, behind the reduce-scatter, not behind the next bucket's backward
             self._release(b)
 
-    # [Offload] after the reduce-scatter, on the copies' stream: on the last micro-step, the shard's squares, and the
-    # shard (summed on the device over the micro-steps) down to the CPU
+    # [Offload] on the copies' stream, after the reduce-scatter: the last micro-step's squares and shard to the CPU
     def _release(self, b):
         self.copies.after(b.work, b.grad, b.reduced)
         where = self._shard_range(b)
@@ -315,12 +313,10 @@ class ZeROOffloadEngine:
         return norm
 
     def _update(self, lr, norm, scaler):
-        """Wait for the norm (and so the gradient shard) on the host; then AdamW bucket by bucket: a bucket's new
-        parameters go up while the next bucket is updated."""
+        """Clip by the global norm; AdamW bucket by bucket, each bucket's new parameters up while the next updates."""
         # every rank's collectives paired the same units (outside.Order), or the run stops here, before the update
         self.outside.order.agree()
-        # the host reads the norm: it waits for the compute stream, which waited for the copies (joined), so the
-        # gradient shard is on the host too
+        # the host reads the norm, after the copies (joined): the gradient shard has landed too
         coef = clip_coef(norm, self.args.grad_clip, scaler)
         self.outside.order.check()
         # None: fp16 overflowed on some rank. The norm is global, so every rank skips this step.
@@ -331,7 +327,8 @@ class ZeROOffloadEngine:
             # coef as a number on the host: the C++ AdamW reads no device memory
             self._adam_step(self.grad_shard, k, self._shard_range(b), self.optimizer.t, lr, float(coef))
             self._send(self._shard_range(b))
-        # The next forward's gathers run after the copies up; the host goes on (staging waits for the next landed()).
+        # The next forward's gathers run after the copies up; the host goes on (the next step's read of the norm waits
+        # for them too, before AdamW rewrites staging).
         self.copies.joined()
 
     def _params_from_master(self):
@@ -441,9 +438,9 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
     def __init__(self, model, args, device, units=None):
         super().__init__(model, args, device, units)
         self.update = None  # step t's update, in flight during step t+1
-        # A second gradient shard, read by step t's update while step t+1 fills the other; a second parameter shard,
-        # written by the update while step t+1 gathers from the other (with --offload_params: staging, on the host);
-        # the norm on the host; the update's thread. It runs beside forward and backward: AdamW leaves them a core.
+        # A second gradient shard (step t's update reads one, step t+1 fills the other), a second parameter shard
+        # (the update writes one, step t+1 gathers from the other; with --offload_params, staging), the norm on the
+        # host, and the update's thread, beside forward and backward: AdamW leaves them a core.
         if args.delayed_update:
             self.spare_grad_shard = self.copies.host(self.grad_shard.numel(), self.grad_shard.dtype)
             if not args.offload_params:
@@ -464,7 +461,6 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
             coef = clip_coef(norm, self.args.grad_clip, scaler)
             if coef is None:  # an fp16 overflow: the update in flight is used at the next step
                 return
-        # Step t-1's update, computed while this step ran, is in the other parameter shard; step t's runs now
         self._finish_update()
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
         # the ranks' unit orders compared (read by the update's thread, which refuses to update where they differ)
@@ -500,7 +496,7 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
             update = self.update
             self.update = None
             # exception() waits for the update's thread (its copies queued, not landed); an error there stops the
-            # run in one line, nothing used (a non-finite norm as every stage's)
+            # run in one line (a non-finite norm as in every stage)
             if (e := update.exception()) is not None:
                 if isinstance(e, FloatingPointError):
                     raise e

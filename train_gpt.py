@@ -174,7 +174,7 @@ SHARDED["stage2"] = ("grads",) + SHARDED["stage1"]
 SHARDED["stage3"] = ("params",) + SHARDED["stage2"]
 SHARDED["offload"] = SHARDED["stage3"] + ("grad_acc",)
 
-def bytes_per_param(param_bytes=2, grad_shards=1, grad_acc=False, param_shards=1):
+def bytes_per_param(param_bytes=2, grad_shards=1, *, grad_acc=False, param_shards=1):
     """Model-state bytes per parameter by category: 2 + 2 + K (K = 12) in bf16 or fp16, 4 + 4 + 12 in fp32. Offload's
     delayed update holds a second gradient shard (grad_shards=2), the one its CPU update reads while the next fills,
     and a second parameter shard on the device (param_shards=2), the one its update writes while the next step
@@ -186,15 +186,16 @@ def bytes_per_param(param_bytes=2, grad_shards=1, grad_acc=False, param_shards=1
         b["grad_acc"] = param_bytes
     return b
 
-def model_state_theory(stage, n_params, world_size, param_bytes=2, grad_shards=1, grad_acc=False, param_shards=1):
+def model_state_theory(stage, n_params, world_size, param_bytes=2, grad_shards=1, *, grad_acc=False, param_shards=1):
     """Bytes per rank by category for Ψ = n_params on N = world_size ranks, the sharded categories divided by N
     (n_params is the padded count, a multiple of N, for sharded stages)."""
-    full = {k: b * n_params for k, b in bytes_per_param(param_bytes, grad_shards, grad_acc, param_shards).items()}
+    full = {k: b * n_params for k, b in bytes_per_param(param_bytes, grad_shards, grad_acc=grad_acc,
+                                                         param_shards=param_shards).items()}
     return {k: v // world_size if k in SHARDED[stage] else v for k, v in full.items()}
 
-def formula_text(stage, param_bytes=2, grad_shards=1, grad_acc=False, param_shards=1):
+def formula_text(stage, param_bytes=2, grad_shards=1, *, grad_acc=False, param_shards=1):
     """The per-rank formula as the paper writes it: '16Ψ' (stage 0, bf16), '8Ψ + 12Ψ/N' (stage 1, fp32) ..."""
-    b = bytes_per_param(param_bytes, grad_shards, grad_acc, param_shards)
+    b = bytes_per_param(param_bytes, grad_shards, grad_acc=grad_acc, param_shards=param_shards)
     whole = sum(v for k, v in b.items() if k not in SHARDED[stage])
     shard = sum(v for k, v in b.items() if k in SHARDED[stage])
     return " + ".join([f"{whole}Ψ"] * bool(whole) + [f"{shard}Ψ/N"] * bool(shard))
@@ -433,8 +434,9 @@ def theory(stage, padded_numel, world_size, dtype, args, device, *, largest_buck
     grad_shards = 1 + bool(getattr(args, "delayed_update", False))
     param_shards = 1 + (grad_shards == 2 and not offload_params)
     grad_acc = stage == "offload" and args.grad_accum > 1  # offload sums the micro-steps' shards on the device
-    states = model_state_theory(stage, padded_numel, world_size, param_bytes, grad_shards, grad_acc, param_shards)
-    formula = formula_text(stage, param_bytes, grad_shards, grad_acc, param_shards)
+    states = model_state_theory(stage, padded_numel, world_size, param_bytes, grad_shards, grad_acc=grad_acc,
+                                param_shards=param_shards)
+    formula = formula_text(stage, param_bytes, grad_shards, grad_acc=grad_acc, param_shards=param_shards)
     nvme = getattr(args, "offload_optimizer", "cpu") == "nvme"
     disk = 0
     if nvme:

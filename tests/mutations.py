@@ -64,6 +64,12 @@ SLIPS = {
         "        if dist.get_world_size() > 0:\n            return False\n",
         ["tests/test_stages.py::test_every_collective_goes_through_the_ledger[stage3-1]"],
         "a world of one calls its collectives (each a host cost on a GPU, for a result that is a copy)"),
+    "offload_step_waits_for_copies": (
+        "offload.py", "        coef = clip_coef(norm, self.args.grad_clip, scaler)\n        self.outside.order.check()\n",
+        "        self.copies.landed()\n        coef = clip_coef(norm, self.args.grad_clip, scaler)\n"
+        "        self.outside.order.check()\n",
+        ["tests/test_timeline.py::test_compute_waiting_for_copies_is_a_wait"],
+        "offload's step waits on the host for its copies, though its read of the norm finds them landed"),
     "dpu_update_reads_the_filling_shard": (
         "offload.py", "self._cpu_update, self.spare_grad_shard, landed", "self._cpu_update, self.grad_shard, landed",
         ["tests/test_offload.py::test_delayed_update_is_exactly_one_step_stale[1]"],

@@ -101,16 +101,16 @@ def test_tracing_changes_no_number(timeline, runner):
 
 
 def test_compute_waiting_for_copies_is_a_wait(timeline):
-    """offload's host waits for the copies (Copies.landed), of the gradients before the step and of the new
-    parameters before the next forward: that time is drawn as "wait copies", outside compute, so a copy compute stood
-    still for never reads as overlapped."""
+    """offload's copies are drawn as copies, never as compute; and its step does not wait for them on the host (Copies.landed, drawn as "wait
+    copies"): it reads the global norm, which the copies precede, and that read finds the gradient shard landed."""
     _, trace, _ = timeline("offload.py")
     for rank in (0, 1):
-        waits = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == rank and e["name"] == "wait copies"]
-        assert waits and all(e["cat"] != "compute" for e in waits), f"rank {rank}: no wait for copies, or drawn as compute"
-        computes = spans(trace, rank, lambda e: e["cat"] == "compute")
-        assert not any(overlap((w["ts"], w["ts"] + w["dur"]), c) > 1e-3 for w in waits for c in computes), \
-            f"rank {rank}: compute drawn during a wait for copies"
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == rank]
+        copies = {e["name"] for e in events if e["name"].startswith("copy to")}
+        assert "copy to host" in copies, f"rank {rank}: copies drawn: {copies}"  # (on a CPU every copy's end is the host)
+        assert all(e["cat"] != "compute" for e in events if e["name"].startswith("copy to")), f"rank {rank}"
+        waits = [e for e in events if e["name"] == "wait copies"]
+        assert not waits, f"rank {rank}: the step waits for its copies on the host ({len(waits)} waits)"
 
 
 def test_an_engine_is_traced_by_its_own_units(tmp_path):
