@@ -21,10 +21,10 @@ BATTERY = [
      r"c10d reduce_scatter\w*: output cpu\[\d+\] \(made at stage2\.py:{line}\)",
      "the reduce-scatter's output made on the host by empty_like(..., device='cpu') of a GPU tensor",
      "placement by intent (the project named cpu), then NCCL's rule: a collective's tensors on this rank's GPU"),
-    ("dropped_to_device", "offload.py", r"norm = self\.buckets\[0\]\.param\.new_full\((.*)\)$",
-     [r"norm = torch.full(\1)"], [],
+    ("dropped_to_device", "offload.py", r"norm = self\.squares\.sum\(\)$",
+     [r"norm = torch.zeros((), dtype=torch.float64)"], [],
      r"offload\.py:{next} .*c10d all_reduce: tensor cpu\[1\]",
-     "the norm of the host's gradient shard all-reduced from a host tensor (torch.full, not the device's new_full)",
+     "the global norm all-reduced from a host tensor (torch.zeros, not the device's squares)",
      "NCCL's rule: the all-reduce's tensor is on the host"),
     ("collective_output_on_host", "stage2.py", (r"def step\(self, lr", r"comm\.all_gather\(b\.param,(.*)"),
      [r"comm.all_gather(b.param.cpu(),\1"], [],
@@ -63,7 +63,8 @@ def test_planted_gpu_mistake_is_refused(tmp_path, name, pattern, new, args, expe
     # a pattern (after, pattern): the first line matching `pattern` below the one line matching `after`
     after, pattern = pattern if isinstance(pattern, tuple) else (None, pattern)
     script, line = changed(tmp_path, name, pattern, *new, after=after)
-    found = refused(tmp_path, script, *args)
+    # two ranks where the mistake is in a collective: a world of one calls none (comm.py)
+    found = refused(tmp_path, script, *args, nproc=2 if "c10d" in expected else 1)
     want = expected.format(line=line, next=line + 1)
     assert any(re.search(want, m) for m in found), \
         f"planted in {name}:{line}: {mistake}; expected {caught_by}: /{want}/; found:\n" + "\n".join(found)
