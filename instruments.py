@@ -403,6 +403,11 @@ class Timeline:
     def _seconds(self, t):
         return t if isinstance(t, float) else self.anchor[1] + self.anchor[0].elapsed_time(t) / 1e3
 
+    @staticmethod
+    def _done(t):
+        """A time read: a host clock's, or a CUDA event's that has completed (elapsed_time raises before)."""
+        return t is not None and (isinstance(t, float) or t.query())
+
     def _write(self, t0, t1, kernels=None):
         """DIR/trace_rank<r>.json: the step's events, each clipped to the step. Compute: on a GPU the compute stream's
         kernels (kernels: (launch, start, end) from read_profile), else the marked segments without the holes."""
@@ -413,7 +418,10 @@ class Timeline:
                 tid = self.ROWS[row] if tid is None else tid
                 events.append(dict(name=name, cat=cat or row, ph="X", pid=self.rank, tid=tid, ts=us(a), dur=us(b) - us(a),
                                    args=args))
-        sec = lambda span: (span[0], self._seconds(span[1]), None if span[2] is None else self._seconds(span[2]))
+        # a span another thread (the delayed update's) is still in: its end's event not yet done, drawn until t1
+        def sec(span):
+            end = self._seconds(span[2]) if self._done(span[2]) else None
+            return span[0], self._seconds(span[1]), end
         holes = [(a, t1 if b is None else b) for _, a, b in self.calls + self.waits]
         holes += [(a, t1 if b is None else b) for row in self.spans.values() for _, a, b, here, *_ in row if here]
         if kernels is None:
@@ -436,7 +444,9 @@ class Timeline:
             add(c["name"], "communication", a, b, self.ROWS["communication"] + lane, MiB=round(c["MiB"], 3),
                 sent=c["sent"])
         for row, spans in self.spans.items():
-            for span in spans:  # (an NVMe transfer's span carries its MiB)
+            for span in list(spans):  # (an NVMe transfer's span carries its MiB)
+                if not self._done(span[1]):  # begun by another thread after the step's end
+                    continue
                 name, a, b = sec(span)
                 args = span[4] if len(span) > 4 else {}
                 # a transfer the step before left in flight is drawn from this step's start, and says so
