@@ -363,7 +363,9 @@ class Timeline:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
             profiler.__enter__()
-            torch.cuda.synchronize()
+            # the compute stream's work so far, not the device's: the delayed update's thread may have queued its
+            # copies up on the copy stream, and the traced step is the one beside them
+            torch.cuda.current_stream().synchronize()
         start = self.now()
         self.anchor = (start, time.perf_counter())  # with CUDA: an event that ran at this host time
         if profiler is not None:  # the host moment of the annotation's middle: the profiler's clock on the host's
