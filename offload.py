@@ -388,6 +388,9 @@ class ZeROOffloadEngine:
         self.optimizer.t = step
         self._params_from_master()
 
+# main runs the newest lesson's engine: each lesson below names its own class OffloadEngine in turn
+OffloadEngine = ZeROOffloadEngine
+
 # [ZeRO-3 Offload] --offload_params: the parameter shard in CPU memory too, brought up for each gather
 # ZeRO-3 Offload (ZeRO-Infinity's name) extends the engine above; without the option, each method is the one above.
 class ZeRO3OffloadEngine(ZeROOffloadEngine):
@@ -422,13 +425,13 @@ class ZeRO3OffloadEngine(ZeROOffloadEngine):
         # the parameter shard is in CPU memory: staging's values go there, once no copy reads it
         self.copies.landed()
         self.param_shard[where].copy_(self.staging[where])
+OffloadEngine = ZeRO3OffloadEngine
 # [/ZeRO-3 Offload]
 
 # [DPU] --delayed_update: step t's CPU update runs in a thread during step t+1's forward and backward
 # The ZeRO-Offload paper's delayed parameter update (DPU) extends the engine above: step t's update runs in a thread
-# during step t+1, sending each bucket's new parameters up as soon as its AdamW is done, into a second parameter shard
-# that step t+2 gathers from: from the second step on each forward runs on parameters one update old. The training
-# thread never waits for a copy: the update's thread waits for the gradient, and compute for the copies up.
+# during step t+1, sending each bucket up once its AdamW is done, into a second parameter shard that step t+2 gathers
+# from (each forward from the second on runs one update old); only that thread waits for copies, on the host.
 class DelayedUpdateEngine(ZeRO3OffloadEngine):
     @classmethod
     def add_args(cls, parser):
@@ -465,8 +468,7 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
         self.grad_shard, self.spare_grad_shard = self.spare_grad_shard, self.grad_shard
         # the ranks' unit orders compared (read by the update's thread, which refuses to update where they differ)
         self.outside.order.agree()
-        # the norm goes down behind the gradient (on the copy stream, after this step's gathers, which read the
-        # shard the update overwrites): the update's thread waits for the event after it
+        # the norm goes down behind the gradient and this step's gathers; the update's thread waits for the event after
         self.copies.copy(self.host_norm, norm.view(1))
         landed = self.copies.stream.record_event() if self.copies.cuda else None
         self.update = self.updater.submit(self._cpu_update, self.spare_grad_shard, landed, lr, coef, scaler)
@@ -495,8 +497,7 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
         if self.update is not None:
             update = self.update
             self.update = None
-            # exception() waits for the update's thread (its copies queued, not landed); an error there stops the
-            # run in one line (a non-finite norm as in every stage)
+            # exception() waits for the update's thread (its copies queued, not landed); an error there stops the run
             if (e := update.exception()) is not None:
                 if isinstance(e, FloatingPointError):
                     raise e
@@ -521,6 +522,7 @@ class DelayedUpdateEngine(ZeRO3OffloadEngine):
         # the update in flight lands first (a one-step shift)
         self._finish_update()
         return super().state_pieces()
+OffloadEngine = DelayedUpdateEngine
 # [/DPU]
 
 # [NVMe] --offload_optimizer nvme: the optimizer states in a file, streamed through a few host buffers
@@ -591,10 +593,8 @@ class NVMeEngine(DelayedUpdateEngine):
         """The end of a run (after state_pieces(), which lands an update in flight): the state file is removed."""
         if self.args.offload_optimizer == "nvme":
             self.disk.close()
+OffloadEngine = NVMeEngine
 # [/NVMe]
-
-# main runs the newest lesson's engine: the last class above, which extends every lesson's class before it
-OffloadEngine = [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, ZeROOffloadEngine)][-1]
 
 if __name__ == "__main__":
     main(OffloadEngine, stage="offload")

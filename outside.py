@@ -154,10 +154,11 @@ class Order:
         self.device = engine.buckets[0].param.device
         self.units = []
         self.checked = []
-        # (a world of one has nothing to compare, and holds no buffer)
+        # the result on the host: with CUDA a pinned buffer the copy fills without a host sync; on a CPU a list
+        # (a world of one has nothing to compare)
         self.seen = None
-        if dist.get_world_size() > 1:
-            self.seen = torch.zeros(2, dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        if dist.get_world_size() > 1 and self.device.type == "cuda":
+            self.seen = torch.zeros(2, dtype=torch.float64, pin_memory=True)
 
     def issued(self, b):
         self.units.append(self.index[b])
@@ -165,20 +166,23 @@ class Order:
     def agree(self):
         self.checked = self.units
         self.units = []
-        if self.seen is None:
+        if dist.get_world_size() == 1:
             return
         h = float(hash(tuple(self.checked)) % 2**52)
         extremes = torch.full((2,), h, dtype=torch.float64, device=self.device)
         extremes[1:].neg_()
         comm.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        self.seen.copy_(extremes, non_blocking=True)
+        if self.device.type == "cuda":
+            self.seen.copy_(extremes, non_blocking=True)
+        else:
+            self.seen = extremes.tolist()
 
     def check(self, explain=True):
         """ORDER if the ranks' collectives differed; explain: each rank's unit named (a collective, so the training
         thread's only), else this rank's own order (--delayed_update's thread)."""
-        if self.seen is None:
+        if dist.get_world_size() == 1:
             return
-        high, low = self.seen.tolist()
+        high, low = self.seen.tolist() if self.device.type == "cuda" else self.seen
         if high == -low:
             return
         units = self.checked
