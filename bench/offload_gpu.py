@@ -238,7 +238,7 @@ def render(result):
         steps = [sweep.get(f"{name}.ga{a}", {}).get("step_s") for a in size["accums"]]
         cells = [f"{t / a * 1e3:.1f}" if t else "-" for t, a in zip(steps, size["accums"])]
         first, last = size["accums"][0], size["accums"][-1]
-        slope = f"{(steps[-1] - steps[0]) / (last - first) * 1e3:.1f}" if steps[0] and steps[-1] else "-"
+        slope = f"{(steps[-1] - steps[0]) / (last - first) * 1e3:.1f}" if steps[0] and steps[-1] and last > first else "-"
         lines.append(f"| {NAMES[name]} | " + " | ".join(cells) + f" | {slope} |")
     lines += ["", f"Predicted (in brackets): from stage 0's micro-step at grad_accum {size['accums'][0]}, the C++ "
               f"AdamW measured on this host ({result['adam_rate'] / 1e9:.2f} G parameters/s) and a "

@@ -70,6 +70,15 @@ SLIPS = {
         "        self.outside.order.check()\n",
         ["tests/test_timeline.py::test_compute_waiting_for_copies_is_a_wait"],
         "offload's step waits on the host for its copies, though its read of the norm finds them landed"),
+    "offload_gpu_adam_under_backward_only": (
+        "bench/offload_gpu.py", '("cpu adam", ("forward", "backward"), "")', '("cpu adam", ("backward",), "")',
+        ["tests/test_offload_gpu.py::test_overlap_fractions_on_a_made_up_trace"],
+        "the bench counts the C++ AdamW's overlap under backward's kernels only (forward's left out)"),
+    "offload_gpu_ratio_inverted": (
+        "bench/offload_gpu.py", "ratio = lambda name: f\"{tf[name] / tf['stage0']:.2f}\"",
+        "ratio = lambda name: f\"{tf['stage0'] / tf[name]:.2f}\"",
+        ["tests/test_offload_gpu.py::test_the_table_divides_offload_by_stage0"],
+        "the table's offload / stage 0 column printed as stage 0 / offload"),
     "dpu_update_reads_the_filling_shard": (
         "offload.py", "self._cpu_update, self.spare_grad_shard, landed", "self._cpu_update, self.grad_shard, landed",
         ["tests/test_offload.py::test_delayed_update_is_exactly_one_step_stale[1]"],

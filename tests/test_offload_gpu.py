@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, last_lines
 from test_bench_fake_cuda import on_fake_cuda
 
@@ -77,3 +79,36 @@ def test_the_estimator_by_hand():
     for row, limit in (("stage0", "device memory"), ("offload", "host memory"), ("offload_nvme", "disk")):
         depth, said = est.largest(row)
         assert needs[row](depth) and not needs[row](depth + 1) and said.startswith(limit), (row, depth, said)
+
+
+def test_overlap_fractions_on_a_made_up_trace(monkeypatch):
+    """offload_gpu.overlap on a trace whose answers are known: the gradient copies (40 µs, 30 of them under
+    backward's kernels) 75% hidden; the C++ AdamW (130 µs: 30 under forward's kernels, 70 under backward's, 30 under
+    the optimizer step's) 100/130 under forward's and backward's, neither phase left out."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import offload_gpu
+    x = lambda cat, name, ts, dur: dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, pid=0, tid=0, args={})
+    events = [x("compute", "forward blocks.0", 0, 100), x("compute", "backward blocks.0", 100, 100),
+              x("compute", "optimizer step", 200, 50),
+              x("copies", "copy to host", 170, 40), x("copies", "copy to device", 210, 20),
+              x("cpu adam", "adam_step", 70, 100), x("cpu adam", "adam_step", 215, 30)]
+    monkeypatch.setattr(offload_gpu.timeline, "merge", lambda trace_dir: {"traceEvents": events})
+    fractions = offload_gpu.overlap("made up")
+    assert fractions["copies"] == pytest.approx(30 / 40), fractions
+    assert fractions["cpu adam"] == pytest.approx(100 / 130), fractions
+
+
+def test_the_table_divides_offload_by_stage0():
+    """The sweep's ratio columns are offload / stage 0 (0.50 where offload runs at half stage 0's TFLOP/s), each
+    beside its prediction from the measured parts (here: t = 0.1 s a micro-step, AdamW 0.1 s, upload negligible)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import offload_gpu
+    size = dict(offload_gpu.SMALLEST, accums=[1])
+    sweep = {"stage0.ga1": dict(tflops=100.0, mfu=None, step_s=0.1), "offload.ga1": dict(tflops=50.0, mfu=None, step_s=0.2),
+             "offload_dpu.ga1": dict(tflops=80.0, mfu=None, step_s=0.125)}
+    result = dict(machine="made up", size=size, psi=10**8, block_size=64, n_embd=64, largest_steps=3, sweep=sweep,
+                  largest={}, seconds=0, adam_rate=1e9, link_gb_s=1e9)
+    row = next(line for line in offload_gpu.render(result).splitlines() if line.startswith("| 128 | 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # offload: 0.1 / (0.1 + 0.1); with the DPU: 0.1 / max(0.1, 0.1 + upload)
+    assert cells[5] == "0.50 (0.50)" and cells[6] == "0.80 (1.00)", row
