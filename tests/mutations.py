@@ -552,6 +552,15 @@ SLIPS = {
         '        sent = self._count("all_gather", nbytes(inp))\n',
         ["tests/test_stages.py::test_communication_bytes_match_formula[stage3-2]"],
         "the ledger counts an all-gather by its input (one rank's shard), not its output"),
+    "animate_collectives_as_a_set": (
+        "bench/animate.py", "        if issued != timeline:\n", "        if sorted(issued) != sorted(timeline):\n",
+        ["tests/test_animate.py::test_the_checks_catch_planted_frames"],
+        "the animation's check compares each rank's collectives as a set, not in the order the frames issue them"),
+    "animate_end_frames_to_rank0s_ledger": (
+        "bench/animate.py", '        ledger = summary["model_state_bytes_per_rank"][r]\n',
+        '        ledger = summary["model_state_bytes_per_rank"][0]\n',
+        ["tests/test_animate.py::test_the_checks_catch_planted_frames"],
+        "every rank's end frame held to rank 0's ledger"),
     "animate_in_flight_not_held": (
         "bench/animate.py", "            held[k] = held.get(k, 0) + n\n", "            held[k] = held.get(k, 0)\n",
         ["tests/test_animate.py::test_a_unit_never_freed_shows_at_the_end"],

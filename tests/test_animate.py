@@ -255,3 +255,25 @@ def test_the_published_animation_is_its_frames(tmp_path):
             assert gif.convert("RGB").tobytes() == again.convert("RGB").tobytes(), (
                 f"frame {k + 1} of bench/results/animate/stage3.gif is not its frames': re-run the command")
             assert gif.info["duration"] == animate.durations(shown)[k]
+
+
+def test_the_checks_catch_planted_frames(recorded):
+    """animate.check against planted frames (stage 3, N = 2): rank 0's first all-gather and first reduce-scatter
+    swapped in time (the same collectives, in another order), and rank 1's ledger changed at the end (its end frame
+    then differs from its own ledger, whatever rank 0's says)."""
+    import copy
+    summary, ranks = recorded(ROOT / "stage3.py")
+    data = animate.frames(summary, ranks)
+    assert animate.check(summary, ranks, data) == []
+    swapped = copy.deepcopy(data)
+    mine = [k for k, f in enumerate(swapped) if f["rank"] == 0 and f["moment"].startswith("issue ")]
+    gather = next(k for k in mine if swapped[k]["moment"].split()[1] == "all_gather")
+    scatter = next(k for k in mine if swapped[k]["moment"].split()[1] == "reduce_scatter")
+    swapped[gather]["moment"], swapped[scatter]["moment"] = swapped[scatter]["moment"], swapped[gather]["moment"]
+    wrong = animate.check(summary, ranks, swapped)
+    assert any(w.startswith("rank 0: the frames issue") for w in wrong), wrong
+    other = copy.deepcopy(summary)
+    ledger = other["model_state_bytes_per_rank"][1]
+    ledger["params"] += 2
+    wrong = animate.check(other, ranks, data)
+    assert any(w.startswith("rank 1: the end frame draws") for w in wrong), wrong
