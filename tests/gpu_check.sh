@@ -12,13 +12,14 @@
 #              kernels run on, a resize_(0) block handed straight back, which copies and constructors synchronize)
 #   cpu_adam   the C++ AdamW built for this host
 #   first      README's first command, with the GPU (stage 3, the tiny GPT)
-#   repeat     stage 3 in fp32 and bf16 run twice, and stopped and resumed: which are bit for bit on this GPU
+#   offload_gpu  bench/offload_gpu.py (the ZeRO-Offload paper's headline: TFLOP/s per GPU as the batch grows, each
+#              ratio beside its prediction), early and within OFFLOAD_GPU_S seconds (200): the rows it has no time for
+#              say so (a lent GPU's minutes are few, and an H200 took 365 s for the steps after it)
 #   suite      tests/test_gpu.py --gpu: parity with the CUDA reference and the ledgers, every stage and offload mode
 #   overlap    tests/test_gpu.py --gpu -k "overlap or mostly": copies and gathers beside compute kernels, from profiler
 #              traces, and the fractions of offload's copies and delayed update under compute (gpt2, one rank)
 #   timeline   bench/timeline.py on a real trace: stage 3 and offload, one rank
-#   offload_gpu  bench/offload_gpu.py (the ZeRO-Offload paper's headline: TFLOP/s per GPU as the batch and the model
-#              grow), last, within what is left of the script's 8 minutes (TOTAL_S): the rows it has no time for say so
+#   repeat     stage 3 in fp32 and bf16 run twice, and stopped and resumed: which are bit for bit on this GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu_check}"
@@ -92,21 +93,17 @@ step facts 120 "$py" tests/gpu_facts.py "$out/facts.json"
 step cpu_adam 240 "$py" -c "from offload import load_cpu_adam; load_cpu_adam(announce=True)"
 if [ $gpu -eq 1 ]; then
   step first 180 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 stage3.py --preset tiny --steps 300
-  step repeat 240 bash -c repeat
+  # the bench stops starting runs 30 s before its step's limit (its last run's summary, table and picture after it)
+  budget=${OFFLOAD_GPU_S:-200}
+  step offload_gpu $((budget + 30)) "$py" bench/offload_gpu.py --budget_s "$budget" --out_dir "$out/offload_gpu"
   step suite 420 "$py" -m pytest tests/test_gpu.py --gpu -q -k "parity or ledgers" -p no:cacheprovider
   step overlap 360 "$py" -m pytest tests/test_gpu.py --gpu -q -k "overlap or mostly" -p no:cacheprovider
   step timeline_stage3 180 "$py" bench/timeline.py stage3.py --nproc 1 --preset small --out "$out/timeline_stage3"
   step timeline_offload 240 "$py" bench/timeline.py offload.py --nproc 1 --preset small --out "$out/timeline_offload"
-  # the bench stops starting runs 30 s before its step's limit (its last run's summary, table and picture after it)
-  left=$((${TOTAL_S:-470} - SECONDS))
-  if [ $left -ge 120 ]; then
-    step offload_gpu $left "$py" bench/offload_gpu.py --budget_s $((left - 30)) --out_dir "$out/offload_gpu"
-  else
-    skip offload_gpu "only $left s left of ${TOTAL_S:-470}: run python bench/offload_gpu.py alone (6 minutes)"
-  fi
+  step repeat 240 bash -c repeat
 else
   skip first "no CUDA GPU: README's first command runs on the CPU in tests/test_commands.py"
-  skip repeat "no CUDA GPU: resume on the CPU is tests/test_checkpoint.py's, bit for bit"
+  skip offload_gpu "no CUDA GPU: tests/test_offload_gpu.py runs it at its smallest size on the fake device"
   # (test_gpu.py's runs on the fake device are the CPU suite's own: here only its trace reader, to show the step runs)
   step suite 300 "$py" -m pytest tests/test_gpu.py -q -k timeline_reader -p no:cacheprovider
   skip overlap "no CUDA GPU: overlap is read from a real GPU's profiler trace"
@@ -115,7 +112,7 @@ else
   tiny=(--nproc 2 --preset tiny --n_layer 2 --steps 3 --device cuda)
   step timeline_stage3 300 "${fake[@]}" "$py" bench/timeline.py stage3.py "${tiny[@]}" --out "$out/timeline_stage3"
   step timeline_offload 300 "${fake[@]}" "$py" bench/timeline.py offload.py "${tiny[@]}" --out "$out/timeline_offload"
-  skip offload_gpu "no CUDA GPU: tests/test_offload_gpu.py runs it at its smallest size on the fake device"
+  skip repeat "no CUDA GPU: resume on the CPU is tests/test_checkpoint.py's, bit for bit"
 fi
 echo "== summary ($out/summary.txt)"
 cat "$out/summary.txt"

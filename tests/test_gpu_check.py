@@ -9,8 +9,8 @@ import subprocess
 
 from conftest import ROOT
 
-STEPS = ["env", "facts", "cpu_adam", "first", "repeat", "suite", "overlap", "timeline_stage3", "timeline_offload",
-         "offload_gpu"]
+STEPS = ["env", "facts", "cpu_adam", "first", "offload_gpu", "suite", "overlap", "timeline_stage3", "timeline_offload",
+         "repeat"]
 NEED_A_GPU = ["first", "repeat", "overlap", "offload_gpu"]
 
 
