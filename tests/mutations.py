@@ -379,15 +379,6 @@ SLIPS = {
         "        # the states, read into host memory for a checkpoint",
         ["tests/test_nvme_tier.py::test_a_delayed_update_saved_mid_update_resumes_as_the_straight_run"],
         "the NVMe tier's checkpoint reads the state file while --delayed_update's CPU update is still writing it"),
-    "outside_read_not_kept": (
-        "outside.py", "            self.engine._wait(b)\n            self.kept.add(b)\n",
-        "            self.engine._wait(b)\n",
-        ["tests/test_any_model.py::test_a_parameter_read_before_its_unit_runs_is_kept"],
-        "a parameter read outside its unit gathers the unit but does not keep it (freed after the unit's forward)"),
-    "outside_view_of_a_parameter_not_kept": (
-        "outside.py", "if any(t is p or t._base is p for", "if any(t is p for",
-        ["tests/test_any_model.py::test_a_view_of_a_parameter_in_a_units_output_keeps_the_unit"],
-        "a view of a parameter in a unit's output does not keep the unit (the caller reads freed storage)"),
     "sharded_freed_check_skips_lists": (
         "outside.py", "for x in (a if isinstance(a, (list, tuple)) else [a])]", "for x in [a]]",
         ["tests/test_any_model.py::test_a_freed_parameter_inside_an_ops_arguments_names_itself"],
